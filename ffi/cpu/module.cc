@@ -1,0 +1,35 @@
+// The CPU extension: the FFI handlers, bound once in handlers.h, instantiated
+// for the CPU runtime and exported to Python as capsules.
+#include <nanobind/nanobind.h>
+
+#include "../regemm/handlers.h"
+#include "runtime.h"
+
+namespace nb = nanobind;
+using regemm::CpuRuntime;
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(regemm_gemm_cpu, (regemm::gemm_handler<CpuRuntime, xla::ffi::ThreadPool>),
+                              regemm::gemm_binding<CpuRuntime>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(regemm_dact_cpu, (regemm::dact_handler<CpuRuntime, xla::ffi::ThreadPool>),
+                              regemm::dact_binding<CpuRuntime>());
+
+template <class Registry> nb::list kernel_names() {
+  nb::list names;
+  for (const auto& e : Registry::get().entries()) names.append(nb::str(e.name.data(), e.name.size()));
+  return names;
+}
+
+NB_MODULE(_regemm_cpu, m) {
+  m.def("registrations", [] {
+    nb::dict d;
+    d["regemm_gemm"] = nb::capsule(reinterpret_cast<void*>(regemm_gemm_cpu));
+    d["regemm_dact"] = nb::capsule(reinterpret_cast<void*>(regemm_dact_cpu));
+    return d;
+  });
+  m.def("kernels", [] {
+    nb::dict d;
+    d["gemm"] = kernel_names<regemm::GemmRegistry<CpuRuntime>>();
+    d["dact"] = kernel_names<regemm::DactRegistry<CpuRuntime>>();
+    return d;
+  });
+}

@@ -1,0 +1,56 @@
+// What CPU kernels get at run time: XLA's intra-op thread pool, and a
+// parallel_for over it in which the calling thread takes part (so a busy or
+// absent pool only slows the work, never deadlocks it).
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace regemm {
+
+namespace ffi = xla::ffi;
+
+struct CpuRuntime {
+  explicit CpuRuntime(ffi::ThreadPool& p) : pool(&p) {}
+  ffi::ThreadPool* pool;
+
+  template <class B> static constexpr auto bind_ctx(B&& b) { return std::move(b).template Ctx<ffi::ThreadPool>(); }
+
+  // Runs fn(i) for i in [0, n), spread over the pool; returns when all are done.
+  void parallel_for(int64_t n, const std::function<void(int64_t)>& fn) const {
+    int64_t helpers = std::min<int64_t>(pool ? pool->num_threads() : 0, n - 1);
+    if (helpers <= 0) {
+      for (int64_t i = 0; i < n; ++i) fn(i);
+      return;
+    }
+    struct State {
+      std::atomic<int64_t> next{0}, done{0};
+      int64_t n;
+      const std::function<void(int64_t)>* fn;
+      std::mutex mu;
+      std::condition_variable cv;
+      void work() {  // indices below n are always finished before the caller returns
+        for (int64_t i; (i = next.fetch_add(1)) < n;) {
+          (*fn)(i);
+          if (done.fetch_add(1) + 1 == n) { std::lock_guard<std::mutex> l(mu); cv.notify_all(); }
+        }
+      }
+    };
+    auto st = std::make_shared<State>();
+    st->n = n;
+    st->fn = &fn;
+    for (int64_t h = 0; h < helpers; ++h) pool->Schedule([st] { st->work(); });
+    st->work();
+    std::unique_lock<std::mutex> l(st->mu);
+    st->cv.wait(l, [&] { return st->done.load() == n; });
+  }
+};
+
+}  // namespace regemm

@@ -1,0 +1,115 @@
+// The activations of SPEC §3 and their derivatives, defined once for the CPU
+// and CUDA kernels. Each works in the accumulation type T (float or double).
+//
+// Stability: no overflow for |z| up to 1e30 (sigmoid picks the branch whose
+// exp cannot overflow; gelu's derivative short-cuts where tanh saturated), and
+// NaN in gives NaN out (comparisons are written so that NaN falls through).
+#pragma once
+
+#include <math.h>
+
+#include <string_view>
+
+#include "numeric.h"
+
+namespace regemm {
+
+enum class Act : int { kNone, kRelu, kLeakyRelu, kGelu, kGeluErf, kSigmoid, kTanh, kSilu };
+
+// Names as the Python API spells them; the index is the enum value.
+inline constexpr std::string_view kActNames[] = {
+    "none", "relu", "leaky_relu", "gelu", "gelu_erf", "sigmoid", "tanh", "silu"};
+
+inline bool parse_act(std::string_view name, Act* act) {
+  for (int i = 0; i < int(sizeof(kActNames) / sizeof(kActNames[0])); ++i)
+    if (kActNames[i] == name) { *act = Act(i); return true; }
+  return false;
+}
+
+// act' can be read off Y = act(Z) for these (SPEC §4, save="y"); leaky_relu
+// needs slope > 0 so that the sign of Y still tells the branch.
+inline bool grad_from_y_ok(Act act, double slope) {
+  switch (act) {
+    case Act::kNone: case Act::kRelu: case Act::kSigmoid: case Act::kTanh: return true;
+    case Act::kLeakyRelu: return slope > 0;
+    default: return false;
+  }
+}
+
+namespace math {
+REGEMM_HD float exp(float x) { return ::expf(x); }
+REGEMM_HD double exp(double x) { return ::exp(x); }
+REGEMM_HD float tanh(float x) { return ::tanhf(x); }
+REGEMM_HD double tanh(double x) { return ::tanh(x); }
+REGEMM_HD float erfc(float x) { return ::erfcf(x); }
+REGEMM_HD double erfc(double x) { return ::erfc(x); }
+REGEMM_HD float abs(float x) { return ::fabsf(x); }
+REGEMM_HD double abs(double x) { return ::fabs(x); }
+}  // namespace math
+
+template <class T> REGEMM_HD T sigmoid(T z) {
+  if (z >= T(0)) return T(1) / (T(1) + math::exp(-z));
+  T e = math::exp(z);
+  return e / (T(1) + e);  // also the NaN path
+}
+
+template <class T> struct GeluConst {
+  static constexpr T kC = T(0.7978845608028654);   // sqrt(2/pi)
+  static constexpr T kA = T(0.044715);
+  static constexpr T kRsqrt2 = T(0.7071067811865476);
+  static constexpr T kRsqrt2Pi = T(0.3989422804014327);  // 1/sqrt(2 pi)
+};
+
+template <class T> REGEMM_HD T act_fwd(Act act, T z, T slope) {
+  using G = GeluConst<T>;
+  switch (act) {
+    case Act::kNone: return z;
+    case Act::kRelu: return z < T(0) ? T(0) : z;
+    case Act::kLeakyRelu: return z < T(0) ? slope * z : z;
+    case Act::kGelu: return T(0.5) * z * (T(1) + math::tanh(G::kC * z * (T(1) + G::kA * z * z)));
+    case Act::kGeluErf: return T(0.5) * z * math::erfc(-z * G::kRsqrt2);
+    case Act::kSigmoid: return sigmoid(z);
+    case Act::kTanh: return math::tanh(z);
+    case Act::kSilu: return z * sigmoid(z);
+  }
+  return z;
+}
+
+// act'(z).
+template <class T> REGEMM_HD T act_grad(Act act, T z, T slope) {
+  using G = GeluConst<T>;
+  if (z != z) return z;  // NaN
+  switch (act) {
+    case Act::kNone: return T(1);
+    case Act::kRelu: return z > T(0) ? T(1) : T(0);
+    case Act::kLeakyRelu: return z > T(0) ? T(1) : slope;
+    case Act::kGelu: {
+      // tanh saturates (to the last ulp of double) well before |z| = 30; past it
+      // the exact derivative is 1 or 0 and the formula would form 0 * inf.
+      if (math::abs(z) > T(30)) return z > T(0) ? T(1) : T(0);
+      T z2 = z * z;
+      T t = math::tanh(G::kC * z * (T(1) + G::kA * z2));
+      return T(0.5) * (T(1) + t) + T(0.5) * z * (T(1) - t * t) * G::kC * (T(1) + T(3) * G::kA * z2);
+    }
+    case Act::kGeluErf:
+      return T(0.5) * math::erfc(-z * G::kRsqrt2) + z * G::kRsqrt2Pi * math::exp(T(-0.5) * z * z);
+    case Act::kSigmoid: { T s = sigmoid(z); return s * (T(1) - s); }
+    case Act::kTanh: { T t = math::tanh(z); return T(1) - t * t; }
+    case Act::kSilu: { T s = sigmoid(z); return s * (T(1) + z * (T(1) - s)); }
+  }
+  return T(1);
+}
+
+// act'(z) written in terms of y = act(z); valid where grad_from_y_ok().
+template <class T> REGEMM_HD T act_grad_from_y(Act act, T y, T slope) {
+  if (y != y) return y;
+  switch (act) {
+    case Act::kRelu: return y > T(0) ? T(1) : T(0);
+    case Act::kLeakyRelu: return y > T(0) ? T(1) : slope;
+    case Act::kSigmoid: return y * (T(1) - y);
+    case Act::kTanh: return T(1) - y * y;
+    default: return T(1);
+  }
+}
+
+}  // namespace regemm

@@ -1,0 +1,218 @@
+// The FFI binding pattern, written once for every platform: decode the
+// buffers and attributes, check them, build the problem, plan the batch, ask
+// the registry for a kernel and run it. A platform only supplies a Runtime
+// (what its kernels need at run time: a thread pool, or a stream and scratch)
+// and the context types XLA hands over to build it from.
+#pragma once
+
+#include <string>
+#include <string_view>
+
+#include "batch.h"
+#include "problem.h"
+#include "registry.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace regemm {
+
+namespace ffi = xla::ffi;
+
+template <class Runtime> using GemmRegistry = Registry<GemmProblem, GemmOperands, Runtime>;
+template <class Runtime> using DactRegistry = Registry<DactProblem, DactOperands, Runtime>;
+
+inline bool to_dtype(ffi::DataType t, DType* out) {
+  switch (t) {
+    case ffi::DataType::F32: *out = DType::kF32; return true;
+    case ffi::DataType::F64: *out = DType::kF64; return true;
+    case ffi::DataType::BF16: *out = DType::kBF16; return true;
+    case ffi::DataType::F16: *out = DType::kF16; return true;
+    default: return false;
+  }
+}
+
+inline int64_t dtype_size(DType t) { return t == DType::kF64 ? 8 : t == DType::kF32 ? 4 : 2; }
+
+inline std::string shape_str(ffi::Span<const int64_t> dims) {
+  std::string s = "[";
+  for (size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
+  return s + "]";
+}
+
+inline ffi::Error bad(const std::string& what) { return ffi::Error::InvalidArgument("regemm: " + what); }
+
+template <class T> T* at(T* base, int64_t elements, DType t) {
+  return base ? reinterpret_cast<T*>(reinterpret_cast<std::conditional_t<std::is_const_v<T>, const char, char>*>(base) +
+                                     elements * dtype_size(t))
+              : nullptr;
+}
+
+// Checks that `buf` has rank nb + trailing.size(), element type `dtype` and the
+// given trailing dims.
+inline ffi::Error check_operand(const char* name, const ffi::AnyBuffer& buf, int64_t nb, DType dtype,
+                                std::initializer_list<int64_t> trailing) {
+  auto dims = buf.dimensions();
+  DType t;
+  if (!to_dtype(buf.element_type(), &t) || t != dtype)
+    return bad(std::string(name) + ": element type differs from A's or is unsupported");
+  if (int64_t(dims.size()) != nb + int64_t(trailing.size()))
+    return bad(std::string(name) + ": rank " + std::to_string(dims.size()) + ", expected " +
+               std::to_string(nb + trailing.size()) + " (shape " + shape_str(dims) + ")");
+  int64_t i = nb;
+  for (int64_t want : trailing)
+    if (dims[i++] != want)
+      return bad(std::string(name) + ": shape " + shape_str(dims) + " does not fit the problem");
+  return ffi::Error::Success();
+}
+
+// ----------------------------------------------------------------------------
+// regemm_fwd: Y (, Z) = act(alpha * op(A) @ op(B) + beta * C + bias)
+// ----------------------------------------------------------------------------
+
+template <class Runtime, class... Ctx>
+ffi::Error gemm_handler(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer bias, ffi::AnyBuffer c,
+                        ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> z,
+                        std::string_view act, double slope, double alpha, double beta, bool trans_a,
+                        bool trans_b, std::string_view bias_kind, bool has_c, bool store_z,
+                        bool exact_f32, Ctx... ctx) {
+  GemmProblem p;
+  if (!parse_act(act, &p.act)) return bad("unknown activation '" + std::string(act) + "'");
+  if (!parse_bias_kind(bias_kind, &p.bias_kind)) return bad("unknown bias kind '" + std::string(bias_kind) + "'");
+  if (!to_dtype(a.element_type(), &p.dtype)) return bad("A: unsupported element type");
+  p.slope = slope; p.alpha = alpha; p.beta = beta; p.trans_a = trans_a; p.trans_b = trans_b;
+  p.has_c = has_c; p.store_z = store_z; p.exact_f32 = exact_f32;
+
+  auto ad = a.dimensions(), bd = b.dimensions();
+  const int64_t nb = int64_t(ad.size()) - 2;
+  if (nb < 0) return bad("A must have rank >= 2, got shape " + shape_str(ad));
+  if (int64_t(bd.size()) != nb + 2) return bad("A " + shape_str(ad) + " and B " + shape_str(bd) + " differ in rank");
+  p.m = trans_a ? ad[nb + 1] : ad[nb];
+  p.k = trans_a ? ad[nb] : ad[nb + 1];
+  const int64_t kb = trans_b ? bd[nb + 1] : bd[nb];
+  p.n = trans_b ? bd[nb] : bd[nb + 1];
+  if (kb != p.k) return bad("contraction sizes differ: A " + shape_str(ad) + ", B " + shape_str(bd));
+  const int64_t len = bias_length(p.bias_kind, p.m, p.n);
+  if (auto e = check_operand("B", b, nb, p.dtype, {bd[nb], bd[nb + 1]}); e.failure()) return e;
+  if (p.bias_kind != BiasKind::kNone)
+    if (auto e = check_operand("bias", bias, nb, p.dtype, {len}); e.failure()) return e;
+  if (has_c)
+    if (auto e = check_operand("C", c, nb, p.dtype, {p.m, p.n}); e.failure()) return e;
+  if (auto e = check_operand("Y", *y, nb, p.dtype, {p.m, p.n}); e.failure()) return e;
+  if (store_z)
+    if (auto e = check_operand("Z", *z, nb, p.dtype, {p.m, p.n}); e.failure()) return e;
+  ffi::Span<const int64_t> batch_dims(y->dimensions().begin(), nb);
+
+  auto plan = plan_batch(batch_dims, {{ad, p.m * p.k},
+                                      {bd, p.k * p.n},
+                                      {bias.dimensions(), p.bias_kind == BiasKind::kNone ? 0 : len},
+                                      {c.dimensions(), has_c ? p.m * p.n : 0},
+                                      {y->dimensions(), p.m * p.n},
+                                      {z->dimensions(), store_z ? p.m * p.n : 0}});
+  if (plan.has_error()) return plan.error();
+  if (plan->count == 0 || p.m == 0 || p.n == 0) return ffi::Error::Success();
+  p.batch = plan->count;
+  p.stride_a = plan->stride[0]; p.stride_b = plan->stride[1];
+  p.stride_bias = plan->stride[2]; p.stride_c = plan->stride[3];
+
+  // A batch that shares B (and a bias that does not vary along M), with A, C,
+  // Y and Z dense, is one GEMM of batch * M rows: vmap over examples becomes
+  // a single large GEMM instead of many small ones.
+  if (p.batch > 1 && p.stride_b == 0 && !p.trans_a && p.stride_a == p.m * p.k &&
+      (p.bias_kind == BiasKind::kNone || (p.bias_kind != BiasKind::kPerRow && p.stride_bias == 0)) &&
+      (!p.has_c || p.stride_c == p.m * p.n)) {
+    p.m *= p.batch;
+    p.batch = 1;
+  }
+
+  const auto* kernel = GemmRegistry<Runtime>::get().select(p);
+  if (!kernel) return bad("no kernel supports this problem (dtype, act or layout)");
+  Runtime rt(ctx...);
+  return plan->for_each_outer([&](const int64_t* off) {
+    GemmOperands ops{at(a.untyped_data(), off[0], p.dtype),
+                     at(b.untyped_data(), off[1], p.dtype),
+                     p.bias_kind == BiasKind::kNone ? nullptr : at(bias.untyped_data(), off[2], p.dtype),
+                     has_c ? at(c.untyped_data(), off[3], p.dtype) : nullptr,
+                     at(y->untyped_data(), off[4], p.dtype),
+                     store_z ? at(z->untyped_data(), off[5], p.dtype) : nullptr};
+    return kernel->run(p, ops, rt);
+  });
+}
+
+template <class Runtime>
+constexpr auto gemm_binding() {
+  return Runtime::bind_ctx(ffi::Ffi::Bind()
+                               .template Arg<ffi::AnyBuffer>()  // a
+                               .template Arg<ffi::AnyBuffer>()  // b
+                               .template Arg<ffi::AnyBuffer>()  // bias (size 0 when absent)
+                               .template Arg<ffi::AnyBuffer>()  // c (size 0 when absent)
+                               .template Ret<ffi::AnyBuffer>()  // y
+                               .template Ret<ffi::AnyBuffer>()  // z (size 0 when not stored)
+                               .template Attr<std::string_view>("act")
+                               .template Attr<double>("slope")
+                               .template Attr<double>("alpha")
+                               .template Attr<double>("beta")
+                               .template Attr<bool>("trans_a")
+                               .template Attr<bool>("trans_b")
+                               .template Attr<std::string_view>("bias_kind")
+                               .template Attr<bool>("has_c")
+                               .template Attr<bool>("store_z")
+                               .template Attr<bool>("exact_f32"));
+}
+
+// ----------------------------------------------------------------------------
+// regemm_dact: gZ = gY * act'(Z or Y), gBias = sum of gZ over the bias's broadcast axes
+// ----------------------------------------------------------------------------
+
+template <class Runtime, class... Ctx>
+ffi::Error dact_handler(ffi::AnyBuffer gy, ffi::AnyBuffer s, ffi::Result<ffi::AnyBuffer> gz,
+                        ffi::Result<ffi::AnyBuffer> gbias, std::string_view act, double slope,
+                        bool from_y, std::string_view bias_kind, Ctx... ctx) {
+  DactProblem p;
+  if (!parse_act(act, &p.act)) return bad("unknown activation '" + std::string(act) + "'");
+  if (!parse_bias_kind(bias_kind, &p.bias_kind)) return bad("unknown bias kind '" + std::string(bias_kind) + "'");
+  if (!to_dtype(gy.element_type(), &p.dtype)) return bad("gY: unsupported element type");
+  if (from_y && !grad_from_y_ok(p.act, slope)) return bad("act' cannot be derived from Y for '" + std::string(act) + "'");
+  p.slope = slope; p.from_y = from_y;
+  auto gd = gy.dimensions();
+  const int64_t nb = int64_t(gd.size()) - 2;
+  if (nb < 0) return bad("gY must have rank >= 2, got shape " + shape_str(gd));
+  p.m = gd[nb]; p.n = gd[nb + 1];
+  const int64_t len = bias_length(p.bias_kind, p.m, p.n);
+  if (auto e = check_operand("Z/Y", s, nb, p.dtype, {p.m, p.n}); e.failure()) return e;
+  if (auto e = check_operand("gZ", *gz, nb, p.dtype, {p.m, p.n}); e.failure()) return e;
+  if (p.bias_kind != BiasKind::kNone)
+    if (auto e = check_operand("gBias", *gbias, nb, p.dtype, {len}); e.failure()) return e;
+  ffi::Span<const int64_t> batch_dims(gz->dimensions().begin(), nb);
+  auto plan = plan_batch(batch_dims, {{gd, p.m * p.n},
+                                      {s.dimensions(), p.m * p.n},
+                                      {gz->dimensions(), p.m * p.n},
+                                      {gbias->dimensions(), len}});
+  if (plan.has_error()) return plan.error();
+  if (plan->count == 0 || (p.m * p.n == 0 && len == 0)) return ffi::Error::Success();
+  p.batch = plan->count;
+  p.stride_gy = plan->stride[0]; p.stride_s = plan->stride[1];
+
+  const auto* kernel = DactRegistry<Runtime>::get().select(p);
+  if (!kernel) return bad("no backward-epilogue kernel supports this problem");
+  Runtime rt(ctx...);
+  return plan->for_each_outer([&](const int64_t* off) {
+    DactOperands ops{at(gy.untyped_data(), off[0], p.dtype), at(s.untyped_data(), off[1], p.dtype),
+                     at(gz->untyped_data(), off[2], p.dtype),
+                     p.bias_kind == BiasKind::kNone ? nullptr : at(gbias->untyped_data(), off[3], p.dtype)};
+    return kernel->run(p, ops, rt);
+  });
+}
+
+template <class Runtime>
+constexpr auto dact_binding() {
+  return Runtime::bind_ctx(ffi::Ffi::Bind()
+                               .template Arg<ffi::AnyBuffer>()  // gy
+                               .template Arg<ffi::AnyBuffer>()  // z or y
+                               .template Ret<ffi::AnyBuffer>()  // gz
+                               .template Ret<ffi::AnyBuffer>()  // gbias (size 0 when no bias)
+                               .template Attr<std::string_view>("act")
+                               .template Attr<double>("slope")
+                               .template Attr<bool>("from_y")
+                               .template Attr<std::string_view>("bias_kind"));
+}
+
+}  // namespace regemm

@@ -1,0 +1,66 @@
+// The kernel registry: every backend kernel says what it supports and how
+// eager it is to run; a handler asks for the best candidate of a problem.
+//
+// Entries register themselves from their own translation unit (a static
+// Register object), so adding a kernel never touches the handlers. The env
+// var REGEMM_BACKEND=<name> forces a kernel by name wherever it applies.
+#pragma once
+
+#include <cstdlib>
+#include <string_view>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace regemm {
+
+namespace ffi = xla::ffi;
+
+template <class Problem, class Operands, class Runtime>
+struct Kernel {
+  using Supports = bool (*)(const Problem&);
+  using Run = ffi::Error (*)(const Problem&, const Operands&, Runtime&);
+  std::string_view name;
+  int priority;  // higher wins among those that support a problem
+  Supports supports;
+  Run run;
+};
+
+template <class Problem, class Operands, class Runtime>
+class Registry {
+ public:
+  using Entry = Kernel<Problem, Operands, Runtime>;
+
+  static Registry& get() {
+    static Registry registry;
+    return registry;
+  }
+
+  void add(const Entry& e) { entries_.push_back(e); }
+  const std::vector<Entry>& entries() const { return entries_; }
+
+  // Best supporting entry, or null. A forced name that does not support the
+  // problem is passed over (so forcing a GEMM backend leaves other ops alone).
+  const Entry* select(const Problem& p) const {
+    const char* forced = std::getenv("REGEMM_BACKEND");
+    const Entry* best = nullptr;
+    for (const Entry& e : entries_) {
+      if (!e.supports(p)) continue;
+      if (forced && *forced && e.name == forced) return &e;
+      if (!best || e.priority > best->priority) best = &e;
+    }
+    return best;
+  }
+
+ private:
+  std::vector<Entry> entries_;
+};
+
+template <class Problem, class Operands, class Runtime>
+struct Register {
+  explicit Register(const Kernel<Problem, Operands, Runtime>& e) {
+    Registry<Problem, Operands, Runtime>::get().add(e);
+  }
+};
+
+}  // namespace regemm

@@ -1,0 +1,26 @@
+"""jax_regemm: Y = act(alpha op(A) @ op(B) + beta C + bias) as one fused kernel.
+
+XLA FFI custom calls (CPU and CUDA) wrapped in jax.custom_vjp, so jit, grad
+and vmap compose. Layers live in jax_regemm.flax, jax_regemm.nnx and
+jax_regemm.equinox (imported on demand; this module imports no framework).
+"""
+
+from . import reference
+from ._ffi import kernels
+from .api import dense, gemm_bias_act, gemm_bias_act_bwd, gemm_bias_act_fwd
+from .reference import ACTIVATIONS, BIAS_KINDS
+
+SAVE_POLICIES = ("auto", "z", "y", "recompute")
+
+__all__ = [
+    "ACTIVATIONS",
+    "BIAS_KINDS",
+    "SAVE_POLICIES",
+    "dense",
+    "gemm_bias_act",
+    "gemm_bias_act_bwd",
+    "gemm_bias_act_fwd",
+    "kernels",
+    "reference",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,173 @@
+"""Trace-time checks and normalisation of user arguments (SPEC §2, §7).
+
+Everything a user can get wrong is caught here, with the argument and the
+shapes named, before anything is lowered. The result is a static `Config`
+(hashable: it keys the custom_vjp) and operands in canonical form: every
+operand with the same number of leading batch dims, the bias as a [..., L]
+vector of its kind.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from .reference import ACTIVATIONS, GRAD_FROM_Y
+
+DTYPES = (jnp.float32, jnp.float64, jnp.bfloat16, jnp.float16)
+SAVE_POLICIES = ("auto", "z", "y", "recompute")
+_BIAS_KINDS = ("scalar", "per_row", "per_col")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Static description of one fused op; mirrors the C++ GemmProblem attributes."""
+
+    act: str = "relu"
+    slope: float = 0.01
+    alpha: float = 1.0
+    beta: float = 0.0
+    trans_a: bool = False
+    trans_b: bool = False
+    bias_kind: str = "none"
+    save: str = "z"  # resolved: "z", "y" or "recompute"
+    exact_f32: bool = False
+    return_z: bool = False
+    bias_shape: tuple = ()  # canonical [1.., L]: the bias gradient is summed to it
+    c_shape: tuple = ()  # C's shape after lifting: gC is summed to it
+
+
+def _array(name, x):
+    if isinstance(x, (jax.Array, np.ndarray)) or hasattr(x, "aval"):
+        return x
+    raise TypeError(f"{name} must be an array, got {type(x).__name__}")
+
+
+def _dtype_ok(name, x):
+    if x.dtype not in [np.dtype(d) for d in DTYPES]:
+        raise TypeError(f"{name}: unsupported dtype {x.dtype} (supported: float32, float64, bfloat16, float16)")
+
+
+def exact_f32(precision) -> bool:
+    """True when f32 must be computed in true f32 (no TF32), as jnp.dot decides."""
+    if precision is None:
+        precision = jax.config.jax_default_matmul_precision
+    if isinstance(precision, (tuple, list)):
+        precision = precision[0]
+    if isinstance(precision, str):
+        return precision.lower() in ("highest", "float32", "fp32")
+    return precision == lax.Precision.HIGHEST
+
+
+def infer_bias_kind(bias_shape, m, n, bias_kind: Optional[str]) -> str:
+    """Bias kind from its shape (SPEC §2), or check the explicit `bias_kind`."""
+    shape = tuple(bias_shape)
+    fits = {
+        "scalar": shape in ((), (1,)),
+        "per_row": shape in ((m,), (m, 1)),
+        "per_col": shape in ((n,), (1, n)),
+    }
+    if bias_kind is not None:
+        if bias_kind not in _BIAS_KINDS:
+            raise ValueError(f"bias_kind must be one of {_BIAS_KINDS}, got {bias_kind!r}")
+        if not fits[bias_kind]:
+            raise ValueError(f"bias of shape {shape} does not fit bias_kind={bias_kind!r} for an output of [{m}, {n}]")
+        return bias_kind
+    if fits["scalar"] and not (shape == (1,) and n == 1):
+        return "scalar"
+    if fits["per_col"]:  # a 1-D bias of length M == N is per-column
+        return "per_col"
+    if fits["per_row"]:
+        return "per_row"
+    raise ValueError(
+        f"bias of shape {shape} fits no bias kind for an output of [{m}, {n}]: "
+        f"use (), (1,), ({m},), ({m}, 1), ({n},) or (1, {n})"
+    )
+
+
+def prepare(a, b, bias, c, *, act, leaky_slope, alpha, beta, trans_a, trans_b, bias_kind, save, precision, return_z):
+    """Checks the arguments; returns (Config, a, b, bias [..., L] or None, c or None)."""
+    a = _array("a", a)
+    b = _array("b", b)
+    _dtype_ok("a", a)
+    for name, x in (("b", b), ("bias", bias), ("c", c)):
+        if x is None:
+            continue
+        x = _array(name, x)
+        _dtype_ok(name, x)
+        if x.dtype != a.dtype:
+            raise TypeError(f"{name} has dtype {x.dtype} but a has {a.dtype}: mixed dtypes are not supported")
+    if a.ndim < 2:
+        raise ValueError(f"a must have rank >= 2 ([..., M, K]), got shape {a.shape}")
+    if b.ndim < 2:
+        raise ValueError(f"b must have rank >= 2 ([..., K, N]), got shape {b.shape}")
+    m, k = (a.shape[-1], a.shape[-2]) if trans_a else (a.shape[-2], a.shape[-1])
+    kb, n = (b.shape[-1], b.shape[-2]) if trans_b else (b.shape[-2], b.shape[-1])
+    if k != kb:
+        raise ValueError(
+            f"contraction sizes differ: a {a.shape} (trans_a={trans_a}) has K={k}, "
+            f"b {b.shape} (trans_b={trans_b}) has K={kb}"
+        )
+    if act not in ACTIVATIONS:
+        raise ValueError(f"unknown activation {act!r}; expected one of {ACTIVATIONS}")
+    try:
+        slope = float(leaky_slope)
+        alpha, beta = float(alpha), float(beta)
+    except TypeError:
+        raise TypeError("leaky_slope, alpha and beta must be Python numbers (static), not arrays") from None
+    if not np.isfinite(slope):
+        raise ValueError(f"leaky_slope must be finite, got {leaky_slope}")
+    if save not in SAVE_POLICIES:
+        raise ValueError(f"save must be one of {SAVE_POLICIES}, got {save!r}")
+    y_ok = act in GRAD_FROM_Y and not (act == "leaky_relu" and slope <= 0)
+    if save == "y" and not y_ok:
+        why = "leaky_slope <= 0" if act == "leaky_relu" else f"act={act!r}"
+        raise ValueError(f"save='y' cannot derive act' from the output for {why}; use 'z' or 'recompute'")
+    if save == "auto":
+        save = "y" if y_ok else "z"
+
+    batch_shapes = [a.shape[:-2], b.shape[:-2]]
+    if c is not None:
+        if c.ndim < 2 or c.shape[-2:] != (m, n):
+            raise ValueError(f"c must have shape [..., {m}, {n}], got {c.shape}")
+        batch_shapes.append(c.shape[:-2])
+    try:
+        batch = jnp.broadcast_shapes(*batch_shapes)
+    except ValueError:
+        raise ValueError(
+            f"batch dims do not broadcast: a {a.shape}, b {b.shape}" + (f", c {c.shape}" if c is not None else "")
+        ) from None
+    nb = len(batch)
+
+    def lift(x, rank):  # leading 1s up to the common batch rank: a reshape, never a copy
+        return None if x is None else jnp.reshape(x, (1,) * (nb + rank - x.ndim) + x.shape)
+
+    kind = "none"
+    if bias is not None:
+        if bias.ndim > 2:
+            raise ValueError(f"bias must have rank <= 2, got shape {bias.shape}")
+        kind = infer_bias_kind(bias.shape, m, n, bias_kind)
+        bias = jnp.reshape(bias, (1,) * nb + (-1,))
+    elif bias_kind is not None and bias_kind != "none":
+        raise ValueError(f"bias_kind={bias_kind!r} given but bias is None")
+
+    cfg = Config(
+        act=act,
+        slope=slope,
+        alpha=alpha,
+        beta=beta,
+        trans_a=bool(trans_a),
+        trans_b=bool(trans_b),
+        bias_kind=kind,
+        save=save,
+        exact_f32=a.dtype == jnp.float32 and exact_f32(precision),
+        return_z=bool(return_z),
+        bias_shape=() if bias is None else tuple(bias.shape),
+        c_shape=() if c is None else (1,) * (nb + 2 - c.ndim) + tuple(c.shape),
+    )
+    return cfg, lift(a, 2), lift(b, 2), bias, lift(c, 2)

@@ -1,0 +1,159 @@
+"""Pure-JAX reference of every jax_regemm op, for tests and for users.
+
+Written straight from SPEC §1-§3 with plain `jnp` operations, sharing no code
+with the kernels, so that comparing the two means something. Accumulates in
+f32 (f64 for f64 inputs) like the kernels do.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+ACTIVATIONS = ("none", "relu", "leaky_relu", "gelu", "gelu_erf", "sigmoid", "tanh", "silu")
+BIAS_KINDS = ("none", "scalar", "per_row", "per_col")
+# act' can be written in terms of y = act(z) for these (SPEC §4, save="y").
+GRAD_FROM_Y = ("none", "relu", "leaky_relu", "sigmoid", "tanh")
+
+
+def act_fwd(name: str, z, slope=0.01):
+    """act(z) of SPEC §3."""
+    if name == "none":
+        return z
+    if name == "relu":
+        return jnp.maximum(z, 0)
+    if name == "leaky_relu":
+        return jnp.where(z > 0, z, slope * z)
+    if name == "gelu":
+        return jax.nn.gelu(z, approximate=True)
+    if name == "gelu_erf":
+        return jax.nn.gelu(z, approximate=False)
+    if name == "sigmoid":
+        return jax.nn.sigmoid(z)
+    if name == "tanh":
+        return jnp.tanh(z)
+    if name == "silu":
+        return z * jax.nn.sigmoid(z)
+    raise ValueError(f"unknown activation {name!r}")
+
+
+def act_grad(name: str, z, slope=0.01):
+    """act'(z) of SPEC §3, in closed form."""
+    one = jnp.ones_like(z)
+    if name == "none":
+        return one
+    if name == "relu":
+        return jnp.where(z > 0, one, 0 * one)
+    if name == "leaky_relu":
+        return jnp.where(z > 0, one, slope * one)
+    if name == "gelu":
+        c, k = jnp.sqrt(2 / jnp.pi).astype(z.dtype), 0.044715
+        t = jnp.tanh(c * (z + k * z**3))
+        return 0.5 * (1 + t) + 0.5 * z * (1 - t * t) * c * (1 + 3 * k * z * z)
+    if name == "gelu_erf":
+        return 0.5 * lax.erfc(-z / jnp.sqrt(2).astype(z.dtype)) + z * jnp.exp(-0.5 * z * z) / jnp.sqrt(
+            2 * jnp.pi
+        ).astype(z.dtype)
+    if name == "sigmoid":
+        s = jax.nn.sigmoid(z)
+        return s * (1 - s)
+    if name == "tanh":
+        return 1 - jnp.tanh(z) ** 2
+    if name == "silu":
+        s = jax.nn.sigmoid(z)
+        return s * (1 + z * (1 - s))
+    raise ValueError(f"unknown activation {name!r}")
+
+
+def act_grad_from_y(name: str, y, slope=0.01):
+    """act'(z) written in terms of y = act(z), for the names in GRAD_FROM_Y."""
+    one = jnp.ones_like(y)
+    if name == "none":
+        return one
+    if name == "relu":
+        return jnp.where(y > 0, one, 0 * one)
+    if name == "leaky_relu":
+        return jnp.where(y > 0, one, slope * one)
+    if name == "sigmoid":
+        return y * (1 - y)
+    if name == "tanh":
+        return 1 - y * y
+    raise ValueError(f"act' of {name!r} cannot be derived from y")
+
+
+def _acc_dtype(dtype):
+    return jnp.float64 if dtype == jnp.float64 else jnp.float32
+
+
+def bias_broadcast(bias, kind: str):
+    """The bias as an array that broadcasts against [..., M, N]."""
+    if bias is None or kind == "none":
+        return 0
+    if kind == "scalar":
+        return jnp.reshape(bias, ())
+    if kind == "per_row":
+        return jnp.reshape(bias, (-1, 1))
+    if kind == "per_col":
+        return jnp.reshape(bias, (-1,))
+    raise ValueError(f"unknown bias kind {kind!r}")
+
+
+def bias_reduce(gz, kind: str):
+    """Sum of gZ [..., M, N] over the bias kind's broadcast axes: [..., L]."""
+    if kind == "scalar":
+        return jnp.sum(gz, axis=(-2, -1))[..., None]
+    if kind == "per_row":
+        return jnp.sum(gz, axis=-1)
+    if kind == "per_col":
+        return jnp.sum(gz, axis=-2)
+    raise ValueError(f"no bias gradient for bias kind {kind!r}")
+
+
+def gemm_bias_act(
+    a,
+    b,
+    bias=None,
+    *,
+    act: str = "relu",
+    leaky_slope: float = 0.01,
+    c=None,
+    alpha: float = 1.0,
+    beta: float = 0.0,
+    trans_a: bool = False,
+    trans_b: bool = False,
+    bias_kind: str = "per_col",
+    precision=None,
+    return_z: bool = False,
+):
+    """Y = act(alpha * op(A) @ op(B) + beta * C + bias) (and Z) in plain JAX.
+
+    `bias_kind` must be given explicitly here (no inference): the reference is
+    the contract, not the convenience layer.
+    """
+    acc = _acc_dtype(a.dtype)
+    opa = jnp.swapaxes(a, -1, -2) if trans_a else a
+    opb = jnp.swapaxes(b, -1, -2) if trans_b else b
+    z = alpha * jnp.matmul(opa, opb, precision=precision, preferred_element_type=acc)
+    if c is not None:
+        z = z + beta * c.astype(acc)
+    if bias is not None:
+        z = z + bias_broadcast(bias.astype(acc), bias_kind)
+    y = act_fwd(act, z, leaky_slope)
+    y, z = y.astype(a.dtype), z.astype(a.dtype)
+    return (y, z) if return_z else y
+
+
+def dact(gy, s, *, act: str, leaky_slope: float = 0.01, from_y: bool = False, bias_kind: str = "none"):
+    """gZ = gY * act'(S) with S = Z (or Y when from_y), and the bias gradient."""
+    acc = _acc_dtype(gy.dtype)
+    sv = s.astype(acc)
+    d = act_grad_from_y(act, sv, leaky_slope) if from_y else act_grad(act, sv, leaky_slope)
+    gz = (gy.astype(acc) * d).astype(gy.dtype)
+    gbias = None if bias_kind == "none" else bias_reduce(gz.astype(acc), bias_kind).astype(gy.dtype)
+    return gz, gbias
+
+
+def dense(x, w, b=None, *, act: str = "none", leaky_slope: float = 0.01, precision=None):
+    """act(x @ w + b) for x [..., K], w [K, N], b [N]."""
+    return gemm_bias_act(x, w, b, act=act, leaky_slope=leaky_slope, bias_kind="per_col", precision=precision)
