@@ -13,54 +13,69 @@
 namespace regemm {
 namespace {
 
-// 256-bit vectors (GCC/Clang vector extensions; the attribute must not sit on
-// a dependent type, or it is dropped).
-typedef float vec_f32 __attribute__((vector_size(32)));
-typedef double vec_f64 __attribute__((vector_size(32)));
+// Native vectors (GCC/Clang vector extensions): 512-bit where AVX-512 is on,
+// else 256-bit. The attribute must not sit on a dependent type, or it is dropped.
+#if defined(__AVX512F__)
+inline constexpr int kVecBytes = 64;
+#else
+inline constexpr int kVecBytes = 32;
+#endif
+typedef float vec_f32 __attribute__((vector_size(kVecBytes)));
+typedef double vec_f64 __attribute__((vector_size(kVecBytes)));
 
+// Goto-style blocking: a kc x nc block of op(B) is packed once per task and
+// stays in L2; kc x NR panels of it stream through L1 against MR-row panels of
+// a packed mc x kc block of op(A). Partial sums over K blocks live in a float
+// tile buffer; the last K block runs the epilogue from the registers.
 template <class T>
 struct CpuGemm {
   using A = acc_t<T>;
   using V = std::conditional_t<std::is_same_v<A, double>, vec_f64, vec_f32>;
-  static_assert(sizeof(V) == 32);
-  static constexpr int kLanes = 32 / sizeof(A);
-  static constexpr int MR = 6, NR = 2 * kLanes;  // 6 x 16 floats: 12 accumulator registers
+  static constexpr int kLanes = kVecBytes / sizeof(A);
+  static constexpr int MR = kVecBytes == 64 ? 12 : 6;  // MR x 2 vector accumulators
+  static constexpr int NR = 2 * kLanes;
+  static constexpr int64_t kKc = 256, kMc = 8 * MR, kNc = 16 * NR;
 
   const GemmProblem& p;
   const GemmOperands& o;
-  int64_t mc, nc;  // block sizes, multiples of MR and NR
 
   A a_at(const T* a, int64_t i, int64_t q) const { return load<A>(p.trans_a ? a[q * p.m + i] : a[i * p.k + q]); }
   A b_at(const T* b, int64_t q, int64_t j) const { return load<A>(p.trans_b ? b[j * p.k + q] : b[q * p.n + j]); }
 
-  // Packs rows [i0, i0+rows) of op(A) as MR-row panels, k-major, zero-padded.
-  void pack_a(const T* a, int64_t i0, int64_t rows, A* dst) const {
+  // Rows [i0, i0+rows) x K range [q0, q0+kc) of op(A) as MR-row panels, zero-padded.
+  void pack_a(const T* a, int64_t i0, int64_t rows, int64_t q0, int64_t kc, A* dst) const {
     for (int64_t ir = 0; ir < rows; ir += MR)
-      for (int64_t q = 0; q < p.k; ++q)
+      for (int64_t q = q0; q < q0 + kc; ++q)
         for (int ii = 0; ii < MR; ++ii, ++dst) *dst = ir + ii < rows ? a_at(a, i0 + ir + ii, q) : A(0);
   }
-  // Packs columns [j0, j0+cols) of op(B) as NR-column panels, k-major, zero-padded.
-  void pack_b(const T* b, int64_t j0, int64_t cols, A* dst) const {
+  // K range [q0, q0+kc) x columns [j0, j0+cols) of op(B) as NR-column panels, zero-padded.
+  void pack_b(const T* b, int64_t q0, int64_t kc, int64_t j0, int64_t cols, A* dst) const {
     for (int64_t jr = 0; jr < cols; jr += NR)
-      for (int64_t q = 0; q < p.k; ++q)
+      for (int64_t q = q0; q < q0 + kc; ++q)
         for (int jj = 0; jj < NR; ++jj, ++dst) *dst = jr + jj < cols ? b_at(b, q, j0 + jr + jj) : A(0);
   }
 
-  static void micro(int64_t k, const A* ap, const A* bp, A out[MR][NR]) {
-    V acc[MR][2] = {};
-    for (int64_t q = 0; q < k; ++q, ap += MR, bp += NR) {
+  // acc (MR x NR, row stride NR) = (first ? 0 : acc) + Apanel . Bpanel over kc.
+  static void micro(int64_t kc, const A* ap, const A* bp, A* acc, bool first) {
+    V c[MR][2];
+    if (first) {
+      for (int ii = 0; ii < MR; ++ii) c[ii][0] = c[ii][1] = V{};
+    } else {
+      for (int ii = 0; ii < MR; ++ii) std::memcpy(c[ii], acc + ii * NR, sizeof(c[ii]));
+    }
+    for (int64_t q = 0; q < kc; ++q, ap += MR, bp += NR) {
       V b0, b1;
       std::memcpy(&b0, bp, sizeof(V));
       std::memcpy(&b1, bp + kLanes, sizeof(V));
       for (int ii = 0; ii < MR; ++ii) {
-        acc[ii][0] += ap[ii] * b0;
-        acc[ii][1] += ap[ii] * b1;
+        c[ii][0] += ap[ii] * b0;
+        c[ii][1] += ap[ii] * b1;
       }
     }
-    for (int ii = 0; ii < MR; ++ii) std::memcpy(out[ii], acc[ii], sizeof(acc[ii]));
+    for (int ii = 0; ii < MR; ++ii) std::memcpy(acc + ii * NR, c[ii], sizeof(c[ii]));
   }
 
-  void epilogue(int64_t batch, int64_t i0, int64_t j0, int64_t rows, int64_t cols, A acc[MR][NR]) const {
+  void epilogue(int64_t batch, int64_t i0, int64_t j0, int64_t rows, int64_t cols, const A* acc) const {
     const T* bias = o.bias ? static_cast<const T*>(o.bias) + batch * p.stride_bias : nullptr;
     const T* c = o.c ? static_cast<const T*>(o.c) + batch * p.stride_c : nullptr;
     T* y = static_cast<T*>(o.y) + batch * p.m * p.n;
@@ -69,7 +84,7 @@ struct CpuGemm {
     for (int64_t ii = 0; ii < rows; ++ii)
       for (int64_t jj = 0; jj < cols; ++jj) {
         const int64_t i = i0 + ii, j = j0 + jj, idx = i * p.n + j;
-        A v = alpha * acc[ii][jj];
+        A v = alpha * acc[ii * NR + jj];
         if (c) v += beta * load<A>(c[idx]);
         if (bias) v += load<A>(bias[bias_index(p.bias_kind, i, j)]);
         y[idx] = store<T>(act_fwd(p.act, v, slope));
@@ -77,33 +92,52 @@ struct CpuGemm {
       }
   }
 
-  void tile(int64_t batch, int64_t i0, int64_t j0) const {
-    thread_local std::vector<V> a_buf, b_buf;
-    const int64_t rows = std::min(mc, p.m - i0), cols = std::min(nc, p.n - j0);
-    const int64_t a_len = (rows + MR - 1) / MR * MR * p.k, b_len = (cols + NR - 1) / NR * NR * p.k;
-    if (int64_t(a_buf.size()) * kLanes < a_len + kLanes) a_buf.resize(a_len / kLanes + 1);
-    if (int64_t(b_buf.size()) * kLanes < b_len + kLanes) b_buf.resize(b_len / kLanes + 1);
-    A* ap = reinterpret_cast<A*>(a_buf.data());
-    A* bp = reinterpret_cast<A*>(b_buf.data());
-    pack_a(static_cast<const T*>(o.a) + batch * p.stride_a, i0, rows, ap);
-    pack_b(static_cast<const T*>(o.b) + batch * p.stride_b, j0, cols, bp);
-    A acc[MR][NR];
-    for (int64_t jr = 0; jr < cols; jr += NR)
-      for (int64_t ir = 0; ir < rows; ir += MR) {
-        micro(p.k, ap + ir * p.k, bp + jr * p.k, acc);
-        epilogue(batch, i0 + ir, j0 + jr, std::min<int64_t>(MR, rows - ir), std::min<int64_t>(NR, cols - jr), acc);
+  // One task: rows [m0, m1) x columns [j0, j0+cols) of batch entry `batch`.
+  void task(int64_t batch, int64_t m0, int64_t m1, int64_t j0, int64_t cols) const {
+    thread_local std::vector<V> a_buf, b_buf, c_buf;
+    const int64_t kc_max = std::min<int64_t>(kKc, std::max<int64_t>(p.k, 1));
+    const int64_t cols_p = (cols + NR - 1) / NR * NR;
+    auto grow = [](std::vector<V>& v, int64_t elems) {
+      if (int64_t(v.size()) * kLanes < elems) v.resize(elems / kLanes + 1);
+      return reinterpret_cast<A*>(v.data());
+    };
+    A* ap = grow(a_buf, kMc * kc_max);
+    A* bp = grow(b_buf, kc_max * cols_p);
+    A* cp = grow(c_buf, kMc * cols_p);  // partial sums, MR x NR tiles in (ir, jr) order
+    const T* a = static_cast<const T*>(o.a) + batch * p.stride_a;
+    const T* b = static_cast<const T*>(o.b) + batch * p.stride_b;
+    const int64_t k_blocks = std::max<int64_t>((p.k + kKc - 1) / kKc, 1);
+    for (int64_t i0 = m0; i0 < m1; i0 += kMc) {
+      const int64_t rows = std::min(kMc, m1 - i0);
+      for (int64_t kb = 0; kb < k_blocks; ++kb) {
+        const int64_t q0 = kb * kKc, kc = std::min(kKc, p.k - q0);
+        const bool first = kb == 0, last = kb + 1 == k_blocks;
+        if (i0 == m0 || k_blocks > 1) pack_b(b, q0, kc, j0, cols, bp);  // reused across i0 when K fits
+        pack_a(a, i0, rows, q0, kc, ap);
+        for (int64_t jr = 0; jr < cols; jr += NR)
+          for (int64_t ir = 0; ir < rows; ir += MR) {
+            A* acc = cp + (ir / MR * (cols_p / NR) + jr / NR) * MR * NR;
+            micro(kc, ap + ir * kc, bp + jr * kc, acc, first);
+            if (last)
+              epilogue(batch, i0 + ir, j0 + jr, std::min<int64_t>(MR, rows - ir), std::min<int64_t>(NR, cols - jr), acc);
+          }
       }
+    }
   }
 
-  void run(const CpuRuntime& rt) {
-    // Keep a packed A block near 128 KiB and a B block near 256 KiB (L2-sized).
-    const int64_t k = std::max<int64_t>(p.k, 1);
-    mc = std::clamp<int64_t>((32768 / int64_t(sizeof(A)) / k) / MR * MR, MR, 16 * MR);
-    nc = std::clamp<int64_t>((65536 / int64_t(sizeof(A)) / k) / NR * NR, NR, 16 * NR);
-    const int64_t tm = (p.m + mc - 1) / mc, tn = (p.n + nc - 1) / nc;
-    rt.parallel_for(p.batch * tm * tn, [&](int64_t t) {
-      const int64_t b = t / (tm * tn), r = t % (tm * tn);
-      tile(b, (r / tn) * mc, (r % tn) * nc);
+  void run(const CpuRuntime& rt) const {
+    // Tasks: (batch entry, N block, M range). Split M only as far as needed to
+    // give every thread work: each task packs its own B block.
+    const int64_t tn = (p.n + kNc - 1) / kNc;
+    const int64_t threads = std::max<int64_t>(rt.pool ? rt.pool->num_threads() : 1, 1);
+    const int64_t m_blocks = (p.m + kMc - 1) / kMc;
+    const int64_t parts = std::clamp<int64_t>((2 * threads + p.batch * tn - 1) / (p.batch * tn), 1, m_blocks);
+    const int64_t rows_per_part = (m_blocks + parts - 1) / parts * kMc;
+    rt.parallel_for(p.batch * tn * parts, [&](int64_t t) {
+      const int64_t b = t / (tn * parts), jn = (t / parts) % tn, part = t % parts;
+      const int64_t m0 = part * rows_per_part, m1 = std::min(p.m, m0 + rows_per_part);
+      const int64_t j0 = jn * kNc;
+      if (m0 < m1) task(b, m0, m1, j0, std::min(kNc, p.n - j0));
     });
   }
 };
