@@ -75,21 +75,40 @@ struct CpuGemm {
     for (int ii = 0; ii < MR; ++ii) std::memcpy(acc + ii * NR, c[ii], sizeof(c[ii]));
   }
 
-  void epilogue(int64_t batch, int64_t i0, int64_t j0, int64_t rows, int64_t cols, const A* acc) const {
+  // Written for a compile-time activation so that the row loop vectorizes.
+  template <Act kAct>
+  void epilogue_t(int64_t batch, int64_t i0, int64_t j0, int64_t rows, int64_t cols, const A* acc) const {
     const T* bias = o.bias ? static_cast<const T*>(o.bias) + batch * p.stride_bias : nullptr;
     const T* c = o.c ? static_cast<const T*>(o.c) + batch * p.stride_c : nullptr;
     T* y = static_cast<T*>(o.y) + batch * p.m * p.n;
     T* z = o.z ? static_cast<T*>(o.z) + batch * p.m * p.n : nullptr;
     const A alpha = A(p.alpha), beta = A(p.beta), slope = A(p.slope);
-    for (int64_t ii = 0; ii < rows; ++ii)
+    const bool per_col = bias && p.bias_kind == BiasKind::kPerCol;
+    A bias_col[NR] = {};
+    if (per_col)
+      for (int64_t jj = 0; jj < cols; ++jj) bias_col[jj] = load<A>(bias[j0 + jj]);
+    for (int64_t ii = 0; ii < rows; ++ii) {
+      const int64_t i = i0 + ii, row = i * p.n + j0;
+      const A bias_row = bias && !per_col ? load<A>(bias[bias_index(p.bias_kind, i, 0)]) : A(0);
+      const A* __restrict a_row = acc + ii * NR;
+      T* __restrict y_row = y + row;
       for (int64_t jj = 0; jj < cols; ++jj) {
-        const int64_t i = i0 + ii, j = j0 + jj, idx = i * p.n + j;
-        A v = alpha * acc[ii * NR + jj];
-        if (c) v += beta * load<A>(c[idx]);
-        if (bias) v += load<A>(bias[bias_index(p.bias_kind, i, j)]);
-        y[idx] = store<T>(act_fwd(p.act, v, slope));
-        if (z) z[idx] = store<T>(v);
+        A v = alpha * a_row[jj] + (per_col ? bias_col[jj] : bias_row);
+        if (c) v += beta * load<A>(c[row + jj]);
+        y_row[jj] = store<T>(act_fwd(kAct, v, slope));
+        if (z) z[row + jj] = store<T>(v);
       }
+    }
+  }
+
+  void epilogue(int64_t batch, int64_t i0, int64_t j0, int64_t rows, int64_t cols, const A* acc) const {
+    switch (p.act) {
+#define REGEMM_EPILOGUE_CASE(k) case k: return epilogue_t<k>(batch, i0, j0, rows, cols, acc);
+      REGEMM_EPILOGUE_CASE(Act::kNone) REGEMM_EPILOGUE_CASE(Act::kRelu) REGEMM_EPILOGUE_CASE(Act::kLeakyRelu)
+      REGEMM_EPILOGUE_CASE(Act::kGelu) REGEMM_EPILOGUE_CASE(Act::kGeluErf) REGEMM_EPILOGUE_CASE(Act::kSigmoid)
+      REGEMM_EPILOGUE_CASE(Act::kTanh) REGEMM_EPILOGUE_CASE(Act::kSilu)
+#undef REGEMM_EPILOGUE_CASE
+    }
   }
 
   // One task: rows [m0, m1) x columns [j0, j0+cols) of batch entry `batch`.

@@ -11,6 +11,9 @@
 #include <string_view>
 
 #include "numeric.h"
+#if !defined(__CUDA_ARCH__)
+#include "host_math.h"
+#endif
 
 namespace regemm {
 
@@ -36,10 +39,17 @@ inline bool grad_from_y_ok(Act act, double slope) {
   }
 }
 
+// Elementary functions: CUDA's own on the device; on the host, float exp/tanh
+// from host_math.h (vectorizable), double from libm (f64 is the checking path).
 namespace math {
+#if defined(__CUDA_ARCH__)
 REGEMM_HD float exp(float x) { return ::expf(x); }
-REGEMM_HD double exp(double x) { return ::exp(x); }
 REGEMM_HD float tanh(float x) { return ::tanhf(x); }
+#else
+REGEMM_HD float exp(float x) { return host_math::exp(x); }
+REGEMM_HD float tanh(float x) { return host_math::tanh(x); }
+#endif
+REGEMM_HD double exp(double x) { return ::exp(x); }
 REGEMM_HD double tanh(double x) { return ::tanh(x); }
 REGEMM_HD float erfc(float x) { return ::erfcf(x); }
 REGEMM_HD double erfc(double x) { return ::erfc(x); }
@@ -47,10 +57,12 @@ REGEMM_HD float abs(float x) { return ::fabsf(x); }
 REGEMM_HD double abs(double x) { return ::fabs(x); }
 }  // namespace math
 
+// exp only of -|z|, so it cannot overflow; branch-free (selects vectorize, and
+// warps do not diverge); NaN propagates through exp.
 template <class T> REGEMM_HD T sigmoid(T z) {
-  if (z >= T(0)) return T(1) / (T(1) + math::exp(-z));
-  T e = math::exp(z);
-  return e / (T(1) + e);  // also the NaN path
+  const T e = math::exp(-math::abs(z));
+  const T r = T(1) / (T(1) + e);
+  return z >= T(0) ? r : e * r;
 }
 
 template <class T> struct GeluConst {
