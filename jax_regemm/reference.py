@@ -39,7 +39,11 @@ def act_fwd(name: str, z, slope=0.01):
 
 
 def act_grad(name: str, z, slope=0.01):
-    """act'(z) of SPEC §3, in closed form."""
+    """act'(z) of SPEC §3, in closed form; NaN in gives NaN out."""
+    return jnp.where(jnp.isnan(z), z, _act_grad(name, z, slope))
+
+
+def _act_grad(name, z, slope):
     one = jnp.ones_like(z)
     if name == "none":
         return one
@@ -67,7 +71,11 @@ def act_grad(name: str, z, slope=0.01):
 
 
 def act_grad_from_y(name: str, y, slope=0.01):
-    """act'(z) written in terms of y = act(z), for the names in GRAD_FROM_Y."""
+    """act'(z) written in terms of y = act(z), for the names in GRAD_FROM_Y; NaN in gives NaN out."""
+    return jnp.where(jnp.isnan(y), y, _act_grad_from_y(name, y, slope))
+
+
+def _act_grad_from_y(name, y, slope):
     one = jnp.ones_like(y)
     if name == "none":
         return one

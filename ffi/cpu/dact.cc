@@ -1,5 +1,8 @@
-// CPU backward epilogue: gZ = gY * act'(Z or Y) and the bias gradient, in one
-// pass over gY. Bias sums accumulate in double, so they do not drift with M.
+// CPU backward epilogue: gZ = gY * act'(Z or Y) and the bias gradient in one
+// pass over gY. Rows are split into chunks over the thread pool; each chunk
+// keeps its own bias partial sums (double), combined in a fixed order, so the
+// result does not depend on scheduling.
+#include <algorithm>
 #include <vector>
 
 #include "../regemm/handlers.h"
@@ -8,36 +11,73 @@
 namespace regemm {
 namespace {
 
-template <class T>
-void dact(const DactProblem& p, const DactOperands& o, const CpuRuntime& rt) {
+template <class T, Act kAct, bool kFromY>
+void dact_rows(const DactProblem& p, const T* __restrict gy, const T* __restrict s, T* __restrict gz,
+               int64_t i0, int64_t i1, double* col, double* row_sums) {
   using A = acc_t<T>;
   const A slope = A(p.slope);
-  const int64_t mn = p.m * p.n;
-  rt.parallel_for(p.batch, [&](int64_t b) {
+  std::vector<A> g(p.n);
+  for (int64_t i = i0; i < i1; ++i) {
+    const int64_t off = i * p.n;
+    for (int64_t j = 0; j < p.n; ++j) {  // vectorizes: no calls, selects only
+      const A sv = load<A>(s[off + j]);
+      const A d = kFromY ? act_grad_from_y(kAct, sv, slope) : act_grad(kAct, sv, slope);
+      const T v = store<T>(load<A>(gy[off + j]) * d);
+      gz[off + j] = v;
+      g[j] = load<A>(v);  // the bias gradient sums gZ as stored
+    }
+    double r = 0.0;
+    for (int64_t j = 0; j < p.n; ++j) r += double(g[j]);
+    row_sums[i - i0] = r;
+    if (col)
+      for (int64_t j = 0; j < p.n; ++j) col[j] += double(g[j]);
+  }
+}
+
+template <class T, Act kAct, bool kFromY>
+void dact_t(const DactProblem& p, const DactOperands& o, const CpuRuntime& rt) {
+  const int64_t rows_per_chunk = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(p.n, 1));
+  const int64_t chunks = std::max<int64_t>(1, (p.m + rows_per_chunk - 1) / rows_per_chunk);
+  const bool per_col = p.bias_kind == BiasKind::kPerCol;
+  for (int64_t b = 0; b < p.batch; ++b) {
     const T* gy = static_cast<const T*>(o.gy) + b * p.stride_gy;
     const T* s = static_cast<const T*>(o.s) + b * p.stride_s;
-    T* gz = static_cast<T*>(o.gz) + b * mn;
-    std::vector<double> col(p.bias_kind == BiasKind::kPerCol ? p.n : 0, 0.0);
-    double total = 0.0;
-    for (int64_t i = 0; i < p.m; ++i) {
-      double row = 0.0;
+    T* gz = static_cast<T*>(o.gz) + b * p.m * p.n;
+    std::vector<double> col(per_col ? chunks * p.n : 0, 0.0), row(std::max<int64_t>(p.m, 1), 0.0);
+    rt.parallel_for(chunks, [&](int64_t c) {
+      const int64_t i0 = c * rows_per_chunk, i1 = std::min(p.m, i0 + rows_per_chunk);
+      if (i0 < i1) dact_rows<T, kAct, kFromY>(p, gy, s, gz, i0, i1, per_col ? &col[c * p.n] : nullptr, &row[i0]);
+    });
+    if (p.bias_kind == BiasKind::kNone) continue;
+    T* gbias = static_cast<T*>(o.gbias) + b * bias_length(p.bias_kind, p.m, p.n);
+    using A = acc_t<T>;
+    if (p.bias_kind == BiasKind::kPerRow) {
+      for (int64_t i = 0; i < p.m; ++i) gbias[i] = store<T>(A(row[i]));
+    } else if (p.bias_kind == BiasKind::kScalar) {
+      double total = 0.0;
+      for (int64_t i = 0; i < p.m; ++i) total += row[i];
+      gbias[0] = store<T>(A(total));
+    } else {
       for (int64_t j = 0; j < p.n; ++j) {
-        const int64_t idx = i * p.n + j;
-        const A sv = load<A>(s[idx]);
-        const A d = p.from_y ? act_grad_from_y(p.act, sv, slope) : act_grad(p.act, sv, slope);
-        const T g = store<T>(load<A>(gy[idx]) * d);
-        gz[idx] = g;
-        const double gd = double(load<A>(g));  // the bias gradient sums gZ as stored
-        row += gd;
-        if (!col.empty()) col[j] += gd;
+        double sum = 0.0;
+        for (int64_t c = 0; c < chunks; ++c) sum += col[c * p.n + j];
+        gbias[j] = store<T>(A(sum));
       }
-      if (p.bias_kind == BiasKind::kPerRow) static_cast<T*>(o.gbias)[b * p.m + i] = store<T>(A(row));
-      total += row;
     }
-    if (p.bias_kind == BiasKind::kScalar) static_cast<T*>(o.gbias)[b] = store<T>(A(total));
-    if (p.bias_kind == BiasKind::kPerCol)
-      for (int64_t j = 0; j < p.n; ++j) static_cast<T*>(o.gbias)[b * p.n + j] = store<T>(A(col[j]));
-  });
+  }
+}
+
+template <class T>
+void dact(const DactProblem& p, const DactOperands& o, const CpuRuntime& rt) {
+  switch (p.act) {
+#define REGEMM_DACT_CASE(k)                                                  \
+  case k:                                                                    \
+    return p.from_y ? dact_t<T, k, true>(p, o, rt) : dact_t<T, k, false>(p, o, rt);
+    REGEMM_DACT_CASE(Act::kNone) REGEMM_DACT_CASE(Act::kRelu) REGEMM_DACT_CASE(Act::kLeakyRelu)
+    REGEMM_DACT_CASE(Act::kGelu) REGEMM_DACT_CASE(Act::kGeluErf) REGEMM_DACT_CASE(Act::kSigmoid)
+    REGEMM_DACT_CASE(Act::kTanh) REGEMM_DACT_CASE(Act::kSilu)
+#undef REGEMM_DACT_CASE
+  }
 }
 
 ffi::Error run_dact(const DactProblem& p, const DactOperands& o, CpuRuntime& rt) {

@@ -57,13 +57,16 @@ REGEMM_HD float abs(float x) { return ::fabsf(x); }
 REGEMM_HD double abs(double x) { return ::fabs(x); }
 }  // namespace math
 
-// exp only of -|z|, so it cannot overflow; branch-free (selects vectorize, and
-// warps do not diverge); NaN propagates through exp.
-template <class T> REGEMM_HD T sigmoid(T z) {
+// sigmoid(z) and 1 - sigmoid(z), each without cancellation: exp only of -|z|
+// (it cannot overflow), branch-free (selects vectorize on the host and do not
+// diverge on the device); NaN propagates through exp.
+template <class T> struct Sig { T s, one_minus_s; };
+template <class T> REGEMM_HD Sig<T> sigmoid2(T z) {
   const T e = math::exp(-math::abs(z));
   const T r = T(1) / (T(1) + e);
-  return z >= T(0) ? r : e * r;
+  return z >= T(0) ? Sig<T>{r, e * r} : Sig<T>{e * r, r};
 }
+template <class T> REGEMM_HD T sigmoid(T z) { return sigmoid2(z).s; }
 
 template <class T> struct GeluConst {
   static constexpr T kC = T(0.7978845608028654);   // sqrt(2/pi)
@@ -78,7 +81,9 @@ template <class T> REGEMM_HD T act_fwd(Act act, T z, T slope) {
     case Act::kNone: return z;
     case Act::kRelu: return z < T(0) ? T(0) : z;
     case Act::kLeakyRelu: return z < T(0) ? slope * z : z;
-    case Act::kGelu: return T(0.5) * z * (T(1) + math::tanh(G::kC * z * (T(1) + G::kA * z * z)));
+    // 0.5 z (1 + tanh(u)) == z sigmoid(2u): the same function, without the
+    // cancellation of 1 + tanh(u) for negative z.
+    case Act::kGelu: return z * sigmoid(T(2) * G::kC * z * (T(1) + G::kA * z * z));
     case Act::kGeluErf: return T(0.5) * z * math::erfc(-z * G::kRsqrt2);
     case Act::kSigmoid: return sigmoid(z);
     case Act::kTanh: return math::tanh(z);
@@ -87,41 +92,50 @@ template <class T> REGEMM_HD T act_fwd(Act act, T z, T slope) {
   return z;
 }
 
-// act'(z).
+// act'(z). Branch-free (selects only) so that it vectorizes on the host and
+// does not diverge on the device.
 template <class T> REGEMM_HD T act_grad(Act act, T z, T slope) {
   using G = GeluConst<T>;
-  if (z != z) return z;  // NaN
+  T g = T(1);
   switch (act) {
-    case Act::kNone: return T(1);
-    case Act::kRelu: return z > T(0) ? T(1) : T(0);
-    case Act::kLeakyRelu: return z > T(0) ? T(1) : slope;
+    case Act::kNone: g = T(1); break;
+    case Act::kRelu: g = z > T(0) ? T(1) : T(0); break;
+    case Act::kLeakyRelu: g = z > T(0) ? T(1) : slope; break;
     case Act::kGelu: {
-      // tanh saturates (to the last ulp of double) well before |z| = 30; past it
-      // the exact derivative is 1 or 0 and the formula would form 0 * inf.
-      if (math::abs(z) > T(30)) return z > T(0) ? T(1) : T(0);
-      T z2 = z * z;
-      T t = math::tanh(G::kC * z * (T(1) + G::kA * z2));
-      return T(0.5) * (T(1) + t) + T(0.5) * z * (T(1) - t * t) * G::kC * (T(1) + T(3) * G::kA * z2);
+      // d/dz z s(2u) = s + 2 z s (1 - s) u'. Past |z| = 30 the derivative is 1 or 0
+      // to the last ulp of double, and the formula would form 0 * inf.
+      const T zc = z > T(30) ? T(30) : (z < T(-30) ? T(-30) : z);
+      const T z2 = zc * zc;
+      const Sig<T> q = sigmoid2(T(2) * G::kC * zc * (T(1) + G::kA * z2));
+      g = q.s + T(2) * zc * q.s * q.one_minus_s * G::kC * (T(1) + T(3) * G::kA * z2);
+      g = z > T(30) ? T(1) : (z < T(-30) ? T(0) : g);
+      break;
     }
     case Act::kGeluErf:
-      return T(0.5) * math::erfc(-z * G::kRsqrt2) + z * G::kRsqrt2Pi * math::exp(T(-0.5) * z * z);
-    case Act::kSigmoid: { T s = sigmoid(z); return s * (T(1) - s); }
-    case Act::kTanh: { T t = math::tanh(z); return T(1) - t * t; }
-    case Act::kSilu: { T s = sigmoid(z); return s * (T(1) + z * (T(1) - s)); }
+      g = T(0.5) * math::erfc(-z * G::kRsqrt2) + z * G::kRsqrt2Pi * math::exp(T(-0.5) * z * z);
+      break;
+    case Act::kSigmoid: { const Sig<T> q = sigmoid2(z); g = q.s * q.one_minus_s; break; }
+    case Act::kTanh: {  // 1 - tanh^2 = 4e / (1 + e)^2, e = exp(-2|z|): no cancellation
+      const T e = math::exp(T(-2) * math::abs(z));
+      g = T(4) * e / ((T(1) + e) * (T(1) + e));
+      break;
+    }
+    case Act::kSilu: { const Sig<T> q = sigmoid2(z); g = q.s * (T(1) + z * q.one_minus_s); break; }
   }
-  return T(1);
+  return z != z ? z : g;  // NaN in, NaN out
 }
 
 // act'(z) written in terms of y = act(z); valid where grad_from_y_ok().
 template <class T> REGEMM_HD T act_grad_from_y(Act act, T y, T slope) {
-  if (y != y) return y;
+  T g = T(1);
   switch (act) {
-    case Act::kRelu: return y > T(0) ? T(1) : T(0);
-    case Act::kLeakyRelu: return y > T(0) ? T(1) : slope;
-    case Act::kSigmoid: return y * (T(1) - y);
-    case Act::kTanh: return T(1) - y * y;
-    default: return T(1);
+    case Act::kRelu: g = y > T(0) ? T(1) : T(0); break;
+    case Act::kLeakyRelu: g = y > T(0) ? T(1) : slope; break;
+    case Act::kSigmoid: g = y * (T(1) - y); break;
+    case Act::kTanh: g = T(1) - y * y; break;
+    default: break;
   }
+  return y != y ? y : g;
 }
 
 }  // namespace regemm
