@@ -83,6 +83,8 @@ def main(argv=None):
     p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("benchmarks/results"))
     args = p.parse_args(argv)
     records = json.loads(args.results.read_text())
+    if isinstance(records, dict):  # bench_gpu.py writes {"meta": ..., "records": [...]}
+        records = records.get("records", [])
     if not isinstance(records, list) or not records:
         raise SystemExit(f"{args.results}: expected a non-empty JSON list of records")
     args.out.mkdir(parents=True, exist_ok=True)
