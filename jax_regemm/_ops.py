@@ -1,6 +1,7 @@
 """The differentiable ops: each FFI call wrapped in a jax.custom_vjp.
 
-- `fused`: Y (, Z) = act(alpha op(A) op(B) + beta C + bias). Its residual is
+- `fused`: Y (, Z) = act(alpha op(A) op(B) + beta C + bias), bound as the
+  primitive `regemm_fused` (see below) around the custom_vjp `_fused`. Its residual is
   chosen by the save policy: Z, Y (nothing beyond the output) or nothing
   (recompute Z in the backward). A plain GEMM is `fused` with act none.
 - `dact`: gZ = gY act'(Z or Y) with the bias-gradient reduction in the same
@@ -19,6 +20,8 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
 
 from . import _ffi, reference
 from ._args import Config
@@ -36,7 +39,7 @@ def _sum_to(x, shape):
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
-def fused(cfg: Config, a, b, bias, c):
+def _fused(cfg: Config, a, b, bias, c):
     y, z = _ffi.gemm(
         a,
         b,
@@ -57,14 +60,14 @@ def fused(cfg: Config, a, b, bias, c):
 
 def _fused_fwd(cfg, a, b, bias, c):
     if cfg.act == "none":  # act' = 1: the backward needs no residual beyond A and B
-        return fused(cfg, a, b, bias, c), (a, b, None)
+        return _fused(cfg, a, b, bias, c), (a, b, None)
     if cfg.return_z:
-        y, z = fused(cfg, a, b, bias, c)
+        y, z = _fused(cfg, a, b, bias, c)
         return (y, z), (a, b, z)
     if cfg.save == "z":
-        y, z = fused(dataclasses.replace(cfg, return_z=True), a, b, bias, c)
+        y, z = _fused(dataclasses.replace(cfg, return_z=True), a, b, bias, c)
         return y, (a, b, z)
-    y = fused(cfg, a, b, bias, c)
+    y = _fused(cfg, a, b, bias, c)
     if cfg.save == "recompute":
         return y, (a, b, bias, c)
     return y, (a, b, y)  # save == "y": the output is the residual
@@ -83,7 +86,7 @@ def _fused_bwd(cfg, res, ct):
     return ga, gb, gbias, gc
 
 
-fused.defvjp(_fused_fwd, _fused_bwd)
+_fused.defvjp(_fused_fwd, _fused_bwd)
 
 
 def matmul(x, y, *, trans_x, trans_y, alpha, exact_f32):
@@ -125,6 +128,92 @@ def backward(cfg: Config, a, b, gy, s, from_y, gz_extra=None):
         gbias = _sum_to(gbias, cfg.bias_shape)
     gc = _sum_to(cfg.beta * gz, cfg.c_shape) if cfg.c_shape else None
     return ga, gb, gbias, gc
+
+
+# ---------------------------------------------------------------------------
+# the primitive: where vmap meets the custom_vjp
+# ---------------------------------------------------------------------------
+#
+# vmap of a custom_vjp vmaps its backward as a whole: a weight shared by the
+# batch then gets one gradient per example, materialised [B, K, N] and summed.
+# `regemm_fused` puts a batching rule in front: a batch of A against a shared
+# B is folded into M (a reshape) before the custom_vjp sees it, so under
+# grad(vmap(f)) -- the usual per-example model -- the backward is one dgrad and
+# one wgrad GEMM over the whole batch. Its JVP is the custom_vjp's, so
+# vmap(grad(f)) (per-example gradients) keeps exact per-example semantics.
+
+_fused_p = Primitive("regemm_fused")
+_fused_p.multiple_results = True
+
+
+def _split(cfg, args):
+    """(a, b, bias, c) from the primitive's flat operands (absent ones are not passed)."""
+    args = list(args)
+    a, b = args[:2]
+    rest = args[2:]
+    bias = rest.pop(0) if cfg.bias_kind != "none" else None
+    c = rest.pop(0) if cfg.c_shape else None
+    return a, b, bias, c
+
+
+def _fused_impl(*args, cfg):
+    out = _fused(cfg, *_split(cfg, args))
+    return list(out) if cfg.return_z else [out]
+
+
+def _fused_abstract(*avals, cfg):
+    a, b, bias, c = _split(cfg, avals)
+    shapes = [a.shape[:-2], b.shape[:-2]] + ([bias.shape[:-1]] if bias is not None else [])
+    shapes += [c.shape[:-2]] if c is not None else []
+    batch = jnp.broadcast_shapes(*shapes)
+    m = a.shape[-1] if cfg.trans_a else a.shape[-2]
+    n = b.shape[-2] if cfg.trans_b else b.shape[-1]
+    out = jax.core.ShapedArray(batch + (m, n), a.dtype)
+    return [out, out] if cfg.return_z else [out]
+
+
+def _fused_jvp(primals, tangents, *, cfg):
+    tangents = [ad.instantiate_zeros(t) for t in tangents]
+    fn = lambda *args: _fused_impl(*args, cfg=cfg)
+    return jax.jvp(fn, tuple(primals), tuple(tangents))
+
+
+def _fused_batch(args, dims, *, cfg):
+    a, b, bias, c = _split(cfg, args)
+    da, db, dbias, dc = _split(cfg, dims)
+    na = None  # batching.not_mapped
+    foldable = (
+        da is not na and db is na and a.ndim == 3 and not cfg.trans_a
+        and (bias is None or (dbias is na and cfg.bias_kind != "per_row"))
+        and (c is None or dc is not na) and len(cfg.c_shape) in (0, 2)
+    )  # fmt: skip
+    if foldable:  # [B, M, K] @ [K, N] -> one GEMM of B*M rows
+        a = jnp.moveaxis(a, da, 0)
+        nbat, m = a.shape[0], a.shape[1]
+        args2 = [a.reshape(nbat * m, a.shape[2]), b]
+        args2 += [bias] if bias is not None else []
+        args2 += [jnp.moveaxis(c, dc, 0).reshape(nbat * m, -1)] if c is not None else []
+        if c is not None:  # C's (static) shape is part of the config: it is now [B*M, N]
+            cfg = dataclasses.replace(cfg, c_shape=tuple(args2[-1].shape))
+        outs = _fused_p.bind(*args2, cfg=cfg)
+        return [o.reshape(nbat, m, o.shape[-1]) for o in outs], [0] * len(outs)
+    in_axes = tuple(None if d is na else d for d in dims)
+    outs = jax.vmap(partial(_fused_impl, cfg=cfg), in_axes=in_axes)(*args)
+    return outs, [0] * len(outs)
+
+
+_fused_p.def_impl(_fused_impl)
+_fused_p.def_abstract_eval(_fused_abstract)
+ad.primitive_jvps[_fused_p] = _fused_jvp
+batching.primitive_batchers[_fused_p] = _fused_batch
+mlir.register_lowering(_fused_p, mlir.lower_fun(_fused_impl, multiple_results=True))
+
+
+def fused(cfg: Config, a, b, bias, c):
+    """Y, or (Y, Z) when cfg.return_z: the differentiable, batchable fused op."""
+    args = [a, b] + [x for x in (bias, c) if x is not None]
+    outs = _fused_p.bind(*args, cfg=cfg)
+    return tuple(outs) if cfg.return_z else outs[0]
 
 
 # ---------------------------------------------------------------------------

@@ -253,7 +253,8 @@ def _custom_calls(hlo_text, target):
 
 
 def test_equinox_vmap_is_one_gemm_with_the_weight_shared():
-    """vmap of the per-example layer: one regemm_gemm over [B, 1, K] x [1, N, K], no loop, no copy of W."""
+    """vmap of the per-example layer: one regemm_gemm with the batch folded into M ([B, K] x [N, K]^T),
+    no loop, no copy of W."""
     b = 128
     layer = rg_eqx.Linear(K, N, activation="gelu", key=jax.random.key(0))
     x = normal(1, (b, K), jnp.float32)
@@ -261,7 +262,7 @@ def test_equinox_vmap_is_one_gemm_with_the_weight_shared():
     hlo = f.lower(layer, x).compile().as_text()
     calls = [line for line in hlo.splitlines() if 'custom_call_target="regemm_gemm"' in line]
     assert len(calls) == 1, hlo
-    assert f"f32[{b},1,{K}]" in calls[0] and f"f32[1,{N},{K}]" in calls[0], calls[0]  # operands A and W
+    assert f"f32[{b},{K}]" in calls[0] and f"f32[{N},{K}]" in calls[0], calls[0]  # operands A and W
     assert "while" not in hlo and "dot(" not in hlo
     assert f"[{b},{N},{K}]" not in hlo and f"[{b},{K},{N}]" not in hlo  # W never broadcast over the batch
     assert rel(f(layer, x), jax.nn.gelu(jax.vmap(eqx.nn.Linear(K, N, key=jax.random.key(0)))(x))) < 1e-5
@@ -273,18 +274,23 @@ def test_equinox_vmap_mlp_one_gemm_per_layer():
     assert len(_custom_calls(hlo, "regemm_gemm")) == 3 and "while" not in hlo
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="core: the weight gradient of a vmapped per-example layer is computed as B outer products "
-    "[B, N, K] and then summed (custom_vjp's bwd is vmapped), not as one GEMM contracting over the batch",
-)
 def test_equinox_vmap_weight_gradient_is_one_gemm():
+    """grad of the vmapped per-example layer: the weight gradient is one GEMM contracting over the
+    batch (no [B, N, K] per-example outer products), and no dgrad GEMM since x needs no gradient."""
     b = 128
     layer = rg_eqx.Linear(K, N, activation="relu", key=jax.random.key(0))
     x = normal(1, (b, K), jnp.float32)
     loss = lambda m, x: jnp.sum(jax.vmap(m)(x) ** 2)
-    hlo = jax.jit(eqx.filter_grad(loss)).lower(layer, x).compile().as_text()
-    assert f"[{b},{N},{K}]" not in hlo
+    params, static = eqx.partition(layer, eqx.is_array)
+    grad_fn = jax.jit(jax.grad(lambda p, x: loss(eqx.combine(p, static), x)))
+    hlo = grad_fn.lower(params, x).compile().as_text()
+    assert f"[{b},{N},{K}]" not in hlo and f"[{b},{K},{N}]" not in hlo
+    assert len(_custom_calls(hlo, "regemm_gemm")) == 2, hlo  # forward + wgrad
+    grads = eqx.filter_grad(loss)(layer, x)
+    ref = eqx.filter_grad(lambda m, x: jnp.sum(jax.nn.relu(jax.vmap(m)(x)) ** 2))(
+        eqx.nn.Linear(K, N, key=jax.random.key(0)), x
+    )
+    assert rel(grads.weight, ref.weight) < 1e-5 and rel(grads.bias, ref.bias) < 1e-5
 
 
 # ---------------------------------------------------------------------------
