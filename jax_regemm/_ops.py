@@ -142,6 +142,11 @@ def backward(cfg: Config, a, b, gy, s, from_y, gz_extra=None):
 # one wgrad GEMM over the whole batch. Its JVP is the custom_vjp's, so
 # vmap(grad(f)) (per-example gradients) keeps exact per-example semantics.
 
+try:  # public in the JAX versions this targets; the private path is a fallback
+    from jax.core import ShapedArray
+except ImportError:  # pragma: no cover
+    from jax._src.core import ShapedArray
+
 _fused_p = Primitive("regemm_fused")
 _fused_p.multiple_results = True
 
@@ -168,7 +173,7 @@ def _fused_abstract(*avals, cfg):
     batch = jnp.broadcast_shapes(*shapes)
     m = a.shape[-1] if cfg.trans_a else a.shape[-2]
     n = b.shape[-2] if cfg.trans_b else b.shape[-1]
-    out = jax.core.ShapedArray(batch + (m, n), a.dtype)
+    out = ShapedArray(batch + (m, n), a.dtype)
     return [out, out] if cfg.return_z else [out]
 
 
