@@ -24,8 +24,14 @@ def _register():
     for name, capsule in _regemm_cpu.registrations().items():
         jax.ffi.register_ffi_target(name, capsule, platform="cpu")
     if _regemm_cuda is not None:
+        from jaxlib.xla_client import CustomCallTargetTraits
+
+        # XLA takes the CUDA-graph (command buffer) trait from the registration,
+        # so the handlers that declare it are registered with it.
+        graph_safe = set(_regemm_cuda.command_buffer_compatible())
         for name, capsule in _regemm_cuda.registrations().items():
-            jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
+            traits = {"traits": CustomCallTargetTraits.COMMAND_BUFFER_COMPATIBLE} if name in graph_safe else {}
+            jax.ffi.register_ffi_target(name, capsule, platform="CUDA", **traits)
 
 
 _register()

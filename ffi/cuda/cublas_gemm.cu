@@ -1,0 +1,155 @@
+// The plain GEMMs of the backward pass (dgrad, wgrad: act none, no bias, no
+// C, no Z) through cuBLAS: Y = alpha op(A) op(B), batched by stride.
+//
+// - One cuBLAS handle per device, created on first use and kept for the life
+//   of the process (destroying it at exit races the CUDA runtime's own
+//   teardown). A handle is not safe to use from two threads at once, and
+//   stream and workspace are handle state, so set-stream / set-workspace /
+//   GEMM run under the handle's mutex (host-side only: nothing waits on the GPU).
+// - Workspace: from the FFI scratch allocator (stream-ordered on XLA's stream).
+//   While XLA captures the call into a CUDA graph there is no scratch (see
+//   runtime.h), and cuBLAS gets an explicit zero-size workspace: it then picks
+//   algorithms that need none instead of its own pool, which in a graph would
+//   need memory nodes (unsupported in the child graphs XLA builds).
+// - f32 uses TF32 tensor cores unless exact_f32 (precision=HIGHEST), as XLA's
+//   own dots do; bf16/f16 accumulate in f32, and the handle forbids reduced-
+//   precision split-K reductions so that the f32 accumulation is kept.
+#include <cublas_v2.h>
+
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+
+#include "../regemm/handlers.h"
+#include "runtime.h"
+
+namespace regemm {
+namespace {
+
+ffi::Error cublas_error(cublasStatus_t s, const char* what, const char* file, int line) {
+  return ffi::Error::Internal(std::string("regemm: cuBLAS error ") + cublasGetStatusName(s) + " (" +
+                              cublasGetStatusString(s) + ") from " + what + " at " + file + ":" +
+                              std::to_string(line));
+}
+
+#define REGEMM_CUBLAS_CHECK(expr)                                                \
+  do {                                                                           \
+    const cublasStatus_t regemm_st_ = (expr);                                    \
+    if (regemm_st_ != CUBLAS_STATUS_SUCCESS)                                     \
+      return cublas_error(regemm_st_, #expr, __FILE__, __LINE__);                \
+  } while (0)
+
+// 32 MiB: what cuBLAS recommends on Hopper.
+constexpr size_t kWorkspaceBytes = size_t(32) << 20;
+
+struct DeviceHandle {
+  std::mutex mu;  // guards the handle's stream/workspace state across calls
+  cublasHandle_t handle = nullptr;
+};
+
+ffi::Error create_handle(cublasHandle_t* out) {
+  // The first call may come while XLA is capturing a CUDA graph on this
+  // thread; creating a handle allocates memory, which strict capture modes
+  // forbid. Relaxed mode for the duration is the documented way to
+  // initialise a library lazily under capture (nothing is enqueued here).
+  cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+  REGEMM_CUDA_CHECK(cudaThreadExchangeStreamCaptureMode(&mode));
+  const cublasStatus_t created = cublasCreate(out);
+  const cudaError_t restored = cudaThreadExchangeStreamCaptureMode(&mode);
+  REGEMM_CUBLAS_CHECK(created);
+  REGEMM_CUDA_CHECK(restored);
+  REGEMM_CUBLAS_CHECK(
+      cublasSetMathMode(*out, cublasMath_t(CUBLAS_DEFAULT_MATH | CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION)));
+  return ffi::Error::Success();
+}
+
+// The current device's handle (XLA runs the handler with its device current).
+ffi::Error device_handle(DeviceHandle** out) {
+  static std::mutex mu;
+  static auto* handles = new std::unordered_map<int, std::unique_ptr<DeviceHandle>>();  // never freed: see top
+  int device = 0;
+  REGEMM_CUDA_CHECK(cudaGetDevice(&device));
+  std::lock_guard<std::mutex> lock(mu);
+  auto& slot = (*handles)[device];
+  if (!slot) {
+    auto h = std::make_unique<DeviceHandle>();
+    if (auto e = create_handle(&h->handle); e.failure()) return e;
+    slot = std::move(h);
+  }
+  *out = slot.get();
+  return ffi::Error::Success();
+}
+
+// The one place where row-major meets column-major. cuBLAS is column-major;
+// a row-major [R, C] matrix is the same memory as a column-major [C, R] one
+// with the same leading dimension. So the row-major Y[M,N] = op(A) op(B) is
+// the column-major Y^T[N,M] = op(B)^T op(A)^T: B becomes cuBLAS's first
+// operand and A its second, each transposed for cuBLAS exactly when it was
+// transposed for us, and the output's leading dimension is N.
+struct ColMajorGemm {
+  cublasOperation_t op_a, op_b;
+  int64_t m, n, k;
+  const void* a;
+  int64_t lda, stride_a;
+  const void* b;
+  int64_t ldb, stride_b;
+  void* c;
+  int64_t ldc, stride_c;
+};
+
+ColMajorGemm col_major(const GemmProblem& p, const GemmOperands& o) {
+  return ColMajorGemm{p.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N,
+                      p.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N,
+                      p.n, p.m, p.k,
+                      o.b, p.ldb(), p.stride_b,
+                      o.a, p.lda(), p.stride_a,
+                      o.y, p.n, p.m * p.n};
+}
+
+ffi::Error run_cublas(const GemmProblem& p, const GemmOperands& o, CudaRuntime& rt) {
+  cudaDataType_t type;
+  cublasComputeType_t compute;
+  switch (p.dtype) {
+    case DType::kF32:
+      type = CUDA_R_32F;
+      compute = p.exact_f32 ? CUBLAS_COMPUTE_32F : CUBLAS_COMPUTE_32F_FAST_TF32;
+      break;
+    case DType::kF64: type = CUDA_R_64F; compute = CUBLAS_COMPUTE_64F; break;
+    case DType::kBF16: type = CUDA_R_16BF; compute = CUBLAS_COMPUTE_32F; break;
+    case DType::kF16: type = CUDA_R_16F; compute = CUBLAS_COMPUTE_32F; break;
+    default: return bad("cuBLAS GEMM: unsupported dtype");
+  }
+  // alpha and beta in the compute type's scalar type.
+  const double alpha64 = p.alpha, beta64 = 0.0;
+  const float alpha32 = float(p.alpha), beta32 = 0.0f;
+  const bool f64 = p.dtype == DType::kF64;
+  const void* alpha = f64 ? static_cast<const void*>(&alpha64) : static_cast<const void*>(&alpha32);
+  const void* beta = f64 ? static_cast<const void*>(&beta64) : static_cast<const void*>(&beta32);
+
+  void* workspace = nullptr;  // null while capturing: zero-size workspace
+  if (auto e = rt.scratch_for_call(kWorkspaceBytes, &workspace); e.failure()) return e;
+
+  DeviceHandle* dh = nullptr;
+  if (auto e = device_handle(&dh); e.failure()) return e;
+  std::lock_guard<std::mutex> lock(dh->mu);
+  // SetStream resets the workspace to cuBLAS's own pool, so it goes first.
+  REGEMM_CUBLAS_CHECK(cublasSetStream(dh->handle, rt.stream));
+  REGEMM_CUBLAS_CHECK(cublasSetWorkspace(dh->handle, workspace, workspace ? kWorkspaceBytes : 0));
+  const ColMajorGemm g = col_major(p, o);
+  REGEMM_CUBLAS_CHECK(cublasGemmStridedBatchedEx_64(dh->handle, g.op_a, g.op_b, g.m, g.n, g.k, alpha,
+                                                    g.a, type, g.lda, g.stride_a,
+                                                    g.b, type, g.ldb, g.stride_b, beta,
+                                                    g.c, type, g.ldc, g.stride_c,
+                                                    p.batch, compute, CUBLAS_GEMM_DEFAULT));
+  return ffi::Error::Success();
+}
+
+// Plain GEMMs only (act none, no bias, no C, no Z), and K > 0 (K = 0 needs
+// Y = 0, which the SIMT kernel writes). Above the SIMT fallback.
+bool supports(const GemmProblem& p) { return p.is_plain_gemm() && p.k > 0; }
+
+const Register<GemmProblem, GemmOperands, CudaRuntime> kRegister({"cublas", 10, supports, run_cublas});
+
+}  // namespace
+}  // namespace regemm

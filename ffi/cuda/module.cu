@@ -1,0 +1,53 @@
+// The CUDA extension: the FFI handlers, bound once in handlers.h, instantiated
+// for the CUDA runtime (XLA's stream + scratch allocator) and exported to
+// Python as capsules, like the CPU module.
+//
+// Both handlers declare the command-buffer trait: XLA may capture them into
+// CUDA graphs. That holds because nothing they enqueue outlives the graph's
+// resources: no host synchronisation, no allocation in the captured region
+// (scratch is skipped while capturing, see runtime.h), and the cuBLAS handle
+// is created under relaxed capture mode and never freed.
+#include <nanobind/nanobind.h>
+
+#include "../regemm/handlers.h"
+#include "runtime.h"
+
+namespace nb = nanobind;
+namespace ffi = xla::ffi;
+using regemm::CudaRuntime;
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(regemm_gemm_cuda,
+                              (regemm::gemm_handler<CudaRuntime, cudaStream_t, ffi::ScratchAllocator>),
+                              regemm::gemm_binding<CudaRuntime>(), {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(regemm_dact_cuda,
+                              (regemm::dact_handler<CudaRuntime, cudaStream_t, ffi::ScratchAllocator>),
+                              regemm::dact_binding<CudaRuntime>(), {ffi::Traits::kCmdBufferCompatible});
+
+template <class Registry> nb::list kernel_names() {
+  nb::list names;
+  for (const auto& e : Registry::get().entries()) names.append(nb::str(e.name.data(), e.name.size()));
+  return names;
+}
+
+NB_MODULE(_regemm_cuda, m) {
+  m.def("registrations", [] {
+    nb::dict d;
+    d["regemm_gemm"] = nb::capsule(reinterpret_cast<void*>(regemm_gemm_cuda));
+    d["regemm_dact"] = nb::capsule(reinterpret_cast<void*>(regemm_dact_cuda));
+    return d;
+  });
+  // The targets whose handlers are CUDA-graph safe. XLA learns the trait from
+  // the registration call, not from the handler, so Python passes it along.
+  m.def("command_buffer_compatible", [] {
+    nb::list names;
+    names.append("regemm_gemm");
+    names.append("regemm_dact");
+    return names;
+  });
+  m.def("kernels", [] {
+    nb::dict d;
+    d["gemm"] = kernel_names<regemm::GemmRegistry<CudaRuntime>>();
+    d["dact"] = kernel_names<regemm::DactRegistry<CudaRuntime>>();
+    return d;
+  });
+}

@@ -1,0 +1,87 @@
+"""A small workload that runs every CUDA kernel of the backend once, for
+compute-sanitizer (memcheck, racecheck, initcheck): tiny shapes, all dtypes,
+both SIMT tiles, every bias kind of the backward epilogue, the cuBLAS GEMMs
+(every transpose), batches, K = 0 and M = 0.
+
+    python tools/sanitize_workload.py plain    # XLA command buffers off
+    python tools/sanitize_workload.py graphs   # every regemm call captured into a CUDA graph
+
+In "graphs" mode the backward epilogue takes its scratch-free path and cuBLAS
+runs without a workspace (see ffi/cuda/runtime.h). Prints "workload ok" last.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+MODE = sys.argv[1] if len(sys.argv) > 1 else "plain"
+_FLAGS = {
+    "plain": "--xla_gpu_enable_command_buffer=",
+    "graphs": "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1",
+}[MODE]
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAGS).strip()
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import jax_regemm as rg  # noqa: E402
+
+assert jax.devices()[0].platform == "gpu", jax.devices()
+KEY = [jax.random.key(0)]
+
+
+def rand(shape, dtype):
+    KEY[0], k = jax.random.split(KEY[0])
+    return jax.random.normal(k, shape, jnp.float32).astype(dtype)
+
+
+def case(m, n, k, dtype, act, kind, trans_a=False, trans_b=False, with_c=False, save="z", batch=()):
+    a = rand(batch + ((k, m) if trans_a else (m, k)), dtype)
+    b = rand(batch + ((n, k) if trans_b else (k, n)), dtype)
+    bias = {"none": None, "scalar": rand((), dtype), "per_row": rand((m,), dtype), "per_col": rand((n,), dtype)}[kind]
+    c = rand(batch + (m, n), dtype) if with_c else None
+    kw = dict(act=act, bias_kind=None if kind == "none" else kind, trans_a=trans_a, trans_b=trans_b, beta=0.5)
+
+    def loss(a, b, bias, c):
+        y = rg.gemm_bias_act(a, b, bias, c=c, save=save, alpha=1.5, **kw)
+        return jnp.sum(y.astype(jnp.float32) ** 2)
+
+    args = (a, b, bias, c)
+    argnums = tuple(i for i, x in enumerate(args) if x is not None)
+    y, z = jax.jit(lambda a, b, bias, c: rg.gemm_bias_act_fwd(a, b, bias, c=c, **kw))(*args)
+    grads = jax.jit(jax.grad(loss, argnums=argnums))(*args)
+    for x in (y, z, *grads):
+        assert np.all(np.isfinite(np.asarray(x, np.float32))), (m, n, k, dtype, act, kind)
+
+
+def main():
+    # SIMT forward (small tile), backward epilogue per kind, cuBLAS dgrad/wgrad per transpose.
+    for i, (dtype, kind) in enumerate(
+        [(jnp.float32, "per_col"), (jnp.bfloat16, "per_row"), (jnp.float16, "scalar"), (jnp.float32, "none")]
+    ):
+        case(37, 70, 19, dtype, ("gelu", "relu", "silu", "tanh")[i], kind, trans_a=i % 2 == 1, trans_b=i >= 2,
+             with_c=i % 2 == 0)  # fmt: skip
+    with jax.enable_x64(True):
+        case(33, 9, 65, jnp.float64, "gelu_erf", "per_col", trans_a=True, with_c=True)
+    case(21, 45, 13, jnp.float32, "sigmoid", "per_row", save="y")  # act' from Y
+    case(21, 45, 13, jnp.float32, "leaky_relu", "scalar", save="recompute")
+    # The 128 x 128 tile (needs >= 256 of them), ragged edges.
+    case(2050, 2049, 9, jnp.float32, "relu", "per_col", with_c=True)
+    # Batches: strided (grid.z), shared B (stride 0).
+    case(17, 33, 8, jnp.bfloat16, "tanh", "per_col", trans_a=True, batch=(3,))
+    w = rand((8, 12), jnp.float32)
+    xs = rand((5, 9, 8), jnp.float32)
+    g = jax.jit(jax.grad(lambda w: jnp.sum(jax.vmap(lambda x: rg.dense(x, w, act="silu"))(xs) ** 2)))(w)
+    assert np.all(np.isfinite(np.asarray(g)))
+    # K = 0 (Y = act(beta C + bias)) and M = 0 (gBias = 0).
+    case(6, 5, 0, jnp.float32, "gelu", "per_col", with_c=True)
+    case(0, 5, 3, jnp.float32, "gelu", "per_col")
+    jax.effects_barrier()
+    print(f"workload ok ({MODE})")
+
+
+if __name__ == "__main__":
+    main()
