@@ -1,0 +1,121 @@
+# CUTLASS 3.x sm90 kernels (TMA + wgmma, warp-specialized, fused regemm
+# epilogue) for the CUDA module. Included from ffi/cuda/CMakeLists.txt after the
+# `_regemm_cuda` target exists; adds its sources to it.
+#
+# REGEMM_CUTLASS=AUTO (default) builds them when the CUTLASS headers are found,
+# ON requires them, OFF skips them. The headers come from REGEMM_CUTLASS_DIR (a
+# CUTLASS source root) or else from the `nvidia-cutlass` wheel, which ships
+# them as cutlass_library/source/{include,tools/util/include}.
+#
+# One kernel per translation unit (each takes about a minute: build in
+# parallel), generated from cutlass_inst.cu.in for every dtype x A layout x B
+# layout x tile configuration. REGEMM_CUTLASS_DTYPES limits the dtypes (a
+# quicker developer build); REGEMM_CUTLASS_PREBUILT names a directory of
+# kernel objects built earlier with the same sources and flags (<name>.o),
+# linked instead of compiled: the device machine's builds are on the clock.
+
+set(REGEMM_CUTLASS AUTO CACHE STRING "Build the CUTLASS sm90 kernels: AUTO, ON or OFF")
+set(REGEMM_CUTLASS_DIR "" CACHE PATH "CUTLASS source root; empty: the nvidia-cutlass wheel's")
+set(REGEMM_CUTLASS_DTYPES "bf16;f16;f32" CACHE STRING "dtypes of the CUTLASS kernels (bf16, f16, f32 = TF32)")
+set(REGEMM_CUTLASS_PREBUILT "" CACHE PATH "directory of prebuilt CUTLASS kernel objects to link instead of compiling")
+
+if(REGEMM_CUTLASS STREQUAL "OFF")
+  return()
+endif()
+
+set(_regemm_cutlass_root "${REGEMM_CUTLASS_DIR}")
+if(NOT _regemm_cutlass_root)
+  # find_spec, not import: the package's __init__ pulls in more than we need.
+  execute_process(
+    COMMAND "${Python_EXECUTABLE}" -c
+            "import importlib.util as u, os; s = u.find_spec('cutlass_library'); print(os.path.join(list(s.submodule_search_locations)[0], 'source') if s else '')"
+    OUTPUT_VARIABLE _regemm_cutlass_root OUTPUT_STRIP_TRAILING_WHITESPACE ERROR_QUIET)
+endif()
+if(NOT _regemm_cutlass_root OR NOT EXISTS "${_regemm_cutlass_root}/include/cutlass/cutlass.h")
+  if(REGEMM_CUTLASS STREQUAL "ON")
+    message(FATAL_ERROR "REGEMM_CUTLASS=ON but no CUTLASS headers found (pip install nvidia-cutlass, or set REGEMM_CUTLASS_DIR)")
+  endif()
+  message(STATUS "jax_regemm: CUTLASS headers not found; building without the CUTLASS sm90 kernels")
+  return()
+endif()
+message(STATUS "jax_regemm: CUTLASS sm90 kernels from ${_regemm_cutlass_root}")
+
+set(_regemm_cutlass_src "${CMAKE_CURRENT_LIST_DIR}")
+
+# Kernels + dispatch: an object library of their own, compiled for sm_90a only
+# (wgmma and setmaxnreg need the arch-specific target) whatever the module's
+# CUDA_ARCHITECTURES are. -DNDEBUG is not optional: without it ptxas serializes
+# the wgmma pipeline (warning C7510) and the kernels run 1.3-1.8x slower, so
+# ptxas warnings are errors here.
+add_library(regemm_cutlass OBJECT "${_regemm_cutlass_src}/cutlass_dispatch.cu")
+set_target_properties(regemm_cutlass PROPERTIES CUDA_ARCHITECTURES OFF POSITION_INDEPENDENT_CODE ON)
+target_compile_features(regemm_cutlass PRIVATE cxx_std_17)
+target_compile_options(regemm_cutlass PRIVATE
+  $<$<COMPILE_LANGUAGE:CUDA>:-O3 -DNDEBUG --expt-relaxed-constexpr -gencode=arch=compute_90a,code=sm_90a -Xptxas=-Werror>)
+target_include_directories(regemm_cutlass PRIVATE
+  "${_regemm_cutlass_root}/include" "${_regemm_cutlass_root}/tools/util/include" "${_regemm_cutlass_src}")
+
+# Prebuilt objects count only if built from these very sources (the stamp of
+# ffi/cuda/cutlass_stamp.sh: keep the file lists equal).
+set(_regemm_cutlass_use_prebuilt FALSE)
+if(REGEMM_CUTLASS_PREBUILT)
+  set(_stamp_lines "")
+  foreach(_f "${_regemm_cutlass_src}/cutlass_inst.cu.in" "${_regemm_cutlass_src}/cutlass_gemm.cuh"
+             "${_regemm_cutlass_src}/cutlass_epilogue.cuh" "${_regemm_cutlass_src}/cutlass_kernels.h"
+             "${_regemm_cutlass_src}/../regemm/problem.h" "${_regemm_cutlass_src}/../regemm/activation.h"
+             "${_regemm_cutlass_src}/../regemm/numeric.h" "${_regemm_cutlass_src}/../regemm/host_math.h"
+             "${_regemm_cutlass_root}/include/cutlass/version.h")
+    file(SHA256 "${_f}" _h)
+    string(APPEND _stamp_lines "${_h}\n")
+  endforeach()
+  string(SHA256 _stamp "${_stamp_lines}")
+  set(_have "")
+  if(EXISTS "${REGEMM_CUTLASS_PREBUILT}/sources.sha256")
+    file(STRINGS "${REGEMM_CUTLASS_PREBUILT}/sources.sha256" _have LIMIT_COUNT 1)
+  endif()
+  if(_have STREQUAL _stamp)
+    set(_regemm_cutlass_use_prebuilt TRUE)
+    message(STATUS "jax_regemm: linking prebuilt CUTLASS kernels from ${REGEMM_CUTLASS_PREBUILT}")
+  else()
+    message(WARNING "jax_regemm: ${REGEMM_CUTLASS_PREBUILT} was built from other sources; compiling the kernels")
+  endif()
+endif()
+
+set(_regemm_cutlass_configs kCoop128x256 kPing128x128 kStreamK128x128)
+set(_regemm_cutlass_short_kCoop128x256 coop)
+set(_regemm_cutlass_short_kPing128x128 ping)
+set(_regemm_cutlass_short_kStreamK128x128 streamk)
+set(_regemm_cutlass_enum_bf16 kBF16)
+set(_regemm_cutlass_enum_f16 kF16)
+set(_regemm_cutlass_enum_f32 kF32)
+set(_regemm_cutlass_prebuilt_objs "")
+foreach(_dt IN LISTS REGEMM_CUTLASS_DTYPES)
+  if(NOT DEFINED _regemm_cutlass_enum_${_dt})
+    message(FATAL_ERROR "REGEMM_CUTLASS_DTYPES: unknown dtype '${_dt}' (bf16, f16, f32)")
+  endif()
+  foreach(_ta false true)
+    foreach(_tb false true)
+      foreach(_cfg IN LISTS _regemm_cutlass_configs)
+        set(REGEMM_DT ${_regemm_cutlass_enum_${_dt}})
+        set(REGEMM_TA ${_ta})
+        set(REGEMM_TB ${_tb})
+        set(REGEMM_CFG ${_cfg})
+        string(SUBSTRING ${_ta} 0 1 _a)
+        string(SUBSTRING ${_tb} 0 1 _b)
+        set(_name "cutlass_${_dt}_${_a}${_b}_${_regemm_cutlass_short_${_cfg}}")
+        if(_regemm_cutlass_use_prebuilt AND EXISTS "${REGEMM_CUTLASS_PREBUILT}/${_name}.o")
+          list(APPEND _regemm_cutlass_prebuilt_objs "${REGEMM_CUTLASS_PREBUILT}/${_name}.o")
+        else()
+          configure_file("${_regemm_cutlass_src}/cutlass_inst.cu.in" "${CMAKE_CURRENT_BINARY_DIR}/cutlass_inst/${_name}.cu" @ONLY)
+          target_sources(regemm_cutlass PRIVATE "${CMAKE_CURRENT_BINARY_DIR}/cutlass_inst/${_name}.cu")
+        endif()
+      endforeach()
+    endforeach()
+  endforeach()
+endforeach()
+
+# Into the module: the kernel objects, the prebuilt ones, and the registry
+# entry (which speaks XLA FFI and the CUDA runtime, so it builds with the
+# module's own settings).
+target_link_libraries(_regemm_cuda PRIVATE regemm_cutlass)
+target_sources(_regemm_cuda PRIVATE "${_regemm_cutlass_src}/cutlass_registry.cu" ${_regemm_cutlass_prebuilt_objs})

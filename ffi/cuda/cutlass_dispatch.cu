@@ -1,0 +1,231 @@
+// See cutlass_dispatch.h.
+#include "cutlass_dispatch.h"
+
+#include <cuda_runtime.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <tuple>
+
+namespace regemm::cutlass_sm90 {
+namespace {
+
+bool env_off(const char* name) {
+  const char* v = std::getenv(name);
+  return v && (std::strcmp(v, "0") == 0 || std::strcmp(v, "off") == 0 || std::strcmp(v, "false") == 0);
+}
+
+int64_t dtype_bytes(DType t) { return t == DType::kF32 ? 4 : 2; }
+
+}  // namespace
+
+// ---------------------------------------------------------------------------
+// Device: queried once per device (attribute queries are cheap, but there is
+// no reason to repeat them on every call).
+// ---------------------------------------------------------------------------
+namespace {
+constexpr int kMaxDevices = 64;
+struct DevState {
+  std::once_flag once;
+  bool sm90 = false;
+  DeviceInfo info;
+};
+DevState g_dev[kMaxDevices];
+}  // namespace
+
+const DeviceInfo* sm90_device() {
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= kMaxDevices) {
+    cudaGetLastError();  // clear, so that no later check trips over it
+    return nullptr;
+  }
+  DevState& s = g_dev[dev];
+  std::call_once(s.once, [&] {
+    int major = 0, minor = 0, sms = 0;
+    bool ok = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess &&
+              cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) == cudaSuccess &&
+              cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) == cudaSuccess;
+    if (!ok) cudaGetLastError();
+    s.sm90 = ok && major == 9 && minor == 0;
+    s.info = DeviceInfo{dev, sms};
+  });
+  return s.sm90 ? &s.info : nullptr;
+}
+
+bool can_run(const GemmProblem& p) {
+  if (p.dtype != DType::kBF16 && p.dtype != DType::kF16 && p.dtype != DType::kF32) return false;
+  if (p.dtype == DType::kF32 && p.exact_f32) return false;  // TF32 only: HIGHEST goes elsewhere
+  if (p.k == 0) return false;  // the mainloop would leave the accumulators unset
+  const int64_t kIntMax = 0x7fffffff;
+  if (p.m > kIntMax || p.n > kIntMax || p.k > kIntMax || p.batch > kIntMax) return false;
+  // TMA: every row (leading dimension) and batch stride a multiple of 16 bytes.
+  const int64_t e = dtype_bytes(p.dtype);
+  auto aligned = [&](int64_t elems) { return (elems * e) % 16 == 0; };
+  if (!aligned(p.lda()) || !aligned(p.ldb()) || !aligned(p.n)) return false;
+  if (!aligned(p.stride_a) || !aligned(p.stride_b) || (p.has_c && !aligned(p.stride_c))) return false;
+  if (env_off("REGEMM_CUTLASS")) return false;
+  if (!sm90_device()) return false;
+  // At least one kernel of this dtype and layout was built.
+  for (int c = 0; c < kNumConfigs; ++c)
+    if (KernelTable::get().find(p.dtype, p.trans_a, p.trans_b, Config(c))) return true;
+  return false;
+}
+
+bool can_launch(const GemmProblem& p, const GemmOperands& o) {
+  auto aligned16 = [](const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0; };
+  return aligned16(o.a) && aligned16(o.b) && aligned16(o.y) && (!p.store_z || aligned16(o.z)) &&
+         (!p.has_c || aligned16(o.c));
+}
+
+namespace {
+
+// ---------------------------------------------------------------------------
+// Launch with one configuration. A batch with a shared (stride-0) TMA operand
+// runs as a loop of single GEMMs: a stride-0 mode in a TMA descriptor is not
+// something we rely on (REGEMM_CUTLASS_TMA_STRIDE0=1 tries it, for testing).
+// ---------------------------------------------------------------------------
+Status launch(RunFn fn, const GemmProblem& p, const GemmOperands& o, const Launch& l) {
+  const bool use_c = p.has_c && p.beta != 0.0;
+  const bool zero_stride = p.batch > 1 && (p.stride_a == 0 || p.stride_b == 0 || (use_c && p.stride_c == 0));
+  const bool stride0_ok = std::getenv("REGEMM_CUTLASS_TMA_STRIDE0") && !env_off("REGEMM_CUTLASS_TMA_STRIDE0");
+  if (!zero_stride || stride0_ok) return fn(p, o, l);
+  GemmProblem q = p;
+  q.batch = 1;
+  const int64_t e = dtype_bytes(p.dtype), mn = p.m * p.n;
+  auto at = [e](const void* base, int64_t elems) -> const char* {
+    return base ? static_cast<const char*>(base) + elems * e : nullptr;
+  };
+  for (int64_t b = 0; b < p.batch; ++b) {
+    GemmOperands ob{at(o.a, b * p.stride_a), at(o.b, b * p.stride_b), at(o.bias, b * p.stride_bias),
+                    at(o.c, b * p.stride_c), const_cast<char*>(at(o.y, b * mn)),
+                    const_cast<char*>(at(o.z, b * mn))};
+    if (Status st = fn(q, ob, l); !st.ok()) return st;
+  }
+  return {};
+}
+
+// ---------------------------------------------------------------------------
+// Configuration choice.
+// ---------------------------------------------------------------------------
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Without measurements: the config whose last wave is fullest, counting a
+// 128x256 tile as two 128x128 tiles' work and a ping-pong 128x128 tile as
+// slightly dearer per FLOP than the cooperative 128x256 (measured facts note:
+// at large M*N the 128x256 cooperative kernel matches cuBLAS, the 128x128 ones
+// trail by about 10%). Few tiles and a long K: stream-K spreads K over SMs.
+Config rule_config(const GemmProblem& p, const DeviceInfo& dev, DType t, bool ta, bool tb) {
+  const auto& table = KernelTable::get();
+  const int64_t sms = dev.sm_count > 0 ? dev.sm_count : 132;
+  const int64_t t128 = ceil_div(p.m, 128) * ceil_div(p.n, 128) * p.batch;
+  const int64_t t256 = ceil_div(p.m, 128) * ceil_div(p.n, 256) * p.batch;
+  if (t128 < sms && p.k >= 2048 && table.find(t, ta, tb, Config::kStreamK128x128)) return Config::kStreamK128x128;
+  const double cost_coop = double(ceil_div(t256, sms)) * 2.0;
+  const double cost_ping = double(ceil_div(t128, sms)) * 1.1;
+  Config c = cost_ping < cost_coop ? Config::kPing128x128 : Config::kCoop128x256;
+  if (!table.find(t, ta, tb, c)) c = c == Config::kPing128x128 ? Config::kCoop128x256 : Config::kPing128x128;
+  return c;
+}
+
+bool forced_config(Config* c) {
+  const char* v = std::getenv("REGEMM_CUTLASS_CONFIG");
+  if (!v || !*v) return false;
+  for (int i = 0; i < kNumConfigs; ++i)
+    if (std::strcmp(v, kConfigNames[i]) == 0) { *c = Config(i); return true; }
+  return false;
+}
+
+// Everything the winner can depend on except the activation (the epilogue's
+// arithmetic is the same for every config).
+using TuneKey = std::tuple<int, bool, bool, int64_t, int64_t, int64_t, int64_t, bool, bool, int>;
+std::mutex g_tune_mu;
+std::map<TuneKey, Config> g_tuned;
+
+TuneKey tune_key(const GemmProblem& p) {
+  const bool use_c = p.has_c && p.beta != 0.0;
+  return {int(p.dtype), p.trans_a, p.trans_b, p.m, p.n, p.k, p.batch, use_c, p.store_z, int(p.bias_kind)};
+}
+
+bool overlaps(const void* a, const void* b, int64_t bytes) {
+  if (!a || !b) return false;
+  auto x = reinterpret_cast<uintptr_t>(a), y = reinterpret_cast<uintptr_t>(b);
+  return x < y + bytes && y < x + bytes;
+}
+
+// Times every built config on the call's stream; returns false (no opinion)
+// when timing is not possible right now.
+bool tune(const GemmProblem& p, const GemmOperands& o, const Launch& l, Config* best) {
+  const int64_t bytes = p.m * p.n * p.batch * dtype_bytes(p.dtype);
+  if (p.has_c && (overlaps(o.c, o.y, bytes) || overlaps(o.c, o.z, bytes))) return false;
+
+  cudaEvent_t ev[2];
+  if (cudaEventCreate(&ev[0]) != cudaSuccess) { cudaGetLastError(); return false; }
+  if (cudaEventCreate(&ev[1]) != cudaSuccess) { cudaGetLastError(); cudaEventDestroy(ev[0]); return false; }
+  // Repeats: enough work per candidate to see past launch noise (~1 ms or 3 runs).
+  const double flops = 2.0 * double(p.m) * double(p.n) * double(p.k) * double(p.batch);
+  const int reps = flops > 4e11 ? 3 : flops > 4e10 ? 5 : 10;
+  float best_ms = 0;
+  bool found = false;
+  for (int c = 0; c < kNumConfigs; ++c) {
+    RunFn fn = KernelTable::get().find(p.dtype, p.trans_a, p.trans_b, Config(c));
+    if (!fn) continue;
+    if (!launch(fn, p, o, l).ok()) continue;  // warm-up (and: can it run at all?)
+    cudaEventRecord(ev[0], l.stream);
+    bool ok = true;
+    for (int r = 0; r < reps && ok; ++r) ok = launch(fn, p, o, l).ok();
+    cudaEventRecord(ev[1], l.stream);
+    float ms = 0;
+    if (!ok || cudaEventSynchronize(ev[1]) != cudaSuccess || cudaEventElapsedTime(&ms, ev[0], ev[1]) != cudaSuccess) {
+      cudaGetLastError();
+      continue;
+    }
+    if (!found || ms < best_ms) { best_ms = ms; *best = Config(c); found = true; }
+  }
+  cudaEventDestroy(ev[0]);
+  cudaEventDestroy(ev[1]);
+  return found;
+}
+
+Config choose_config(const GemmProblem& p, const GemmOperands& o, const Launch& l, bool capturing) {
+  Config c;
+  if (forced_config(&c) && KernelTable::get().find(p.dtype, p.trans_a, p.trans_b, c)) return c;
+  const TuneKey key = tune_key(p);
+  {
+    std::lock_guard<std::mutex> lock(g_tune_mu);
+    if (auto it = g_tuned.find(key); it != g_tuned.end()) return it->second;
+  }
+  if (capturing || env_off("REGEMM_CUTLASS_TUNE") || !tune(p, o, l, &c))
+    return rule_config(p, l.dev, p.dtype, p.trans_a, p.trans_b);
+  std::lock_guard<std::mutex> lock(g_tune_mu);
+  g_tuned.emplace(key, c);
+  return c;
+}
+
+}  // namespace
+
+Config peek_config(const GemmProblem& p, const DeviceInfo& dev) {
+  Config c;
+  if (forced_config(&c) && KernelTable::get().find(p.dtype, p.trans_a, p.trans_b, c)) return c;
+  {
+    std::lock_guard<std::mutex> lock(g_tune_mu);
+    if (auto it = g_tuned.find(tune_key(p)); it != g_tuned.end()) return it->second;
+  }
+  return rule_config(p, dev, p.dtype, p.trans_a, p.trans_b);
+}
+
+Status run(const GemmProblem& p, const GemmOperands& o, const Launch& l, bool scratch_while_capturing) {
+  // Under CUDA-graph capture: no timing, and no configuration that needs a
+  // workspace (scratch memory is not handed out while capturing: runtime.h).
+  cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(l.stream, &cs) != cudaSuccess) return {"cudaStreamIsCapturing", cudaGetErrorString(cudaGetLastError())};
+  const bool capturing = cs != cudaStreamCaptureStatusNone;
+  Config c = choose_config(p, o, l, capturing);
+  if (capturing && !scratch_while_capturing && c == Config::kStreamK128x128) c = Config::kCoop128x256;
+  RunFn fn = KernelTable::get().find(p.dtype, p.trans_a, p.trans_b, c);
+  if (!fn) return {"dispatch", "no kernel built for this dtype and layout"};
+  return launch(fn, p, o, l);
+}
+
+}  // namespace regemm::cutlass_sm90

@@ -1,0 +1,40 @@
+// Choosing and launching a CUTLASS sm90 kernel for a GemmProblem, free of XLA
+// (the registry entry in cutlass_registry.cu wraps it; a test harness can call
+// it directly).
+//
+// Configuration choice, in order:
+//   REGEMM_CUTLASS_CONFIG=<name>  forces one (coop128x256, ping128x128, streamk128x128);
+//   the autotuner (default on; REGEMM_CUTLASS_TUNE=0 turns it off): on first
+//     sight of a problem signature it times every built configuration with CUDA
+//     events on the call's stream and caches the winner for the process. It
+//     never times inside a CUDA-graph capture, nor when C overlaps Y or Z (a
+//     candidate's run would overwrite the next one's input);
+//   otherwise a rule on the tile count (rule_config in cutlass_dispatch.cu).
+#pragma once
+
+#include "cutlass_kernels.h"
+
+namespace regemm::cutlass_sm90 {
+
+// The current device if it is compute capability 9.0 (sm_90a code runs there
+// only), else null. Queried once per device.
+const DeviceInfo* sm90_device();
+
+// Whether the built kernels can run p (dtype, alignment of leading dims and
+// batch strides, sizes), on an sm_90 device. Pointers are checked by can_launch.
+bool can_run(const GemmProblem& p);
+
+// Whether the buffers meet TMA's 16-byte base alignment.
+bool can_launch(const GemmProblem& p, const GemmOperands& o);
+
+// Picks the configuration (forced, tuned or by rule) and launches it. Under
+// CUDA-graph capture it does not tune, and it avoids configurations that need
+// a workspace unless `scratch_while_capturing` says l.alloc's memory outlives
+// the graph (XLA's scratch does not: runtime.h).
+Status run(const GemmProblem& p, const GemmOperands& o, const Launch& l, bool scratch_while_capturing = false);
+
+// The configuration run() would use now for p (forced, cached tuning result,
+// or the rule), without tuning. For tests and benchmarks.
+Config peek_config(const GemmProblem& p, const DeviceInfo& dev);
+
+}  // namespace regemm::cutlass_sm90

@@ -1,0 +1,174 @@
+// The regemm epilogue as a CUTLASS 3.x sm90 epilogue visitor tree (EVT):
+//
+//   Z = beta * C + (alpha * acc + (row_bias + col_bias))     (f32)
+//   Y = act(Z)                                              (act chosen at run time)
+//   Z is stored beside Y when a pointer is given (Sm90AuxStore: nullptr = no-op).
+//
+// One compiled epilogue serves every bias kind, activation and store_z:
+// - per-column and scalar bias: Sm90RowBroadcast with a dynamic (bool) N stride
+//   (true: bias[j], false: bias[0]); per-row bias: Sm90ColBroadcast. The one
+//   not in use has a null pointer and contributes a zero without loading;
+// - C: the beta*C node skips the C load when beta == 0 (CUTLASS's own
+//   specialisation), so "no C" costs nothing;
+// - the activation: a compute node whose functor calls regemm::act_fwd, the one
+//   place the activation math lives. The switch sits outside the per-fragment
+//   loop, so each case compiles to the straight-line code of one activation.
+//
+// Packaged as a FusionOperation + FusionCallbacks pair so that CUTLASS's
+// epilogue builder supplies the aux store's smem layout and copy atom.
+#pragma once
+
+#include "cutlass/epilogue/fusion/operations.hpp"
+#include "cutlass/epilogue/fusion/sm90_callbacks_tma_warpspecialized.hpp"
+
+#include "../regemm/activation.h"
+
+namespace regemm::cutlass_sm90 {
+
+// Run-time arguments of the activation node (CUTLASS's Sm90Compute passes a
+// functor's `Arguments` member to its call operator).
+struct ActArgs {
+  int act = int(Act::kNone);
+  float slope = 0.01f;
+};
+
+template <class T>
+struct ActFn {
+  using Arguments = ActArgs;
+  CUTLASS_HOST_DEVICE T operator()(T const& z, Arguments const& a) const { return act_fwd(Act(a.act), z, T(a.slope)); }
+};
+
+// act over a fragment with the activation a compile-time constant, so that
+// act_fwd's switch folds away and the loop is straight-line code.
+template <Act A, class T, int N>
+CUTLASS_HOST_DEVICE void act_fragment(cutlass::Array<T, N>& y, cutlass::Array<T, N> const& z, T slope) {
+  CUTLASS_PRAGMA_UNROLL
+  for (int i = 0; i < N; ++i) y[i] = act_fwd(A, z[i], slope);
+}
+
+template <class T, int N>
+struct ActFn<cutlass::Array<T, N>> {
+  using Arguments = ActArgs;
+  CUTLASS_HOST_DEVICE cutlass::Array<T, N> operator()(cutlass::Array<T, N> const& z, Arguments const& a) const {
+    cutlass::Array<T, N> y;
+    const T slope = T(a.slope);
+    switch (Act(a.act)) {  // uniform across the kernel: no divergence
+      case Act::kNone: y = z; break;
+      case Act::kRelu: act_fragment<Act::kRelu>(y, z, slope); break;
+      case Act::kLeakyRelu: act_fragment<Act::kLeakyRelu>(y, z, slope); break;
+      case Act::kGelu: act_fragment<Act::kGelu>(y, z, slope); break;
+      case Act::kGeluErf: act_fragment<Act::kGeluErf>(y, z, slope); break;
+      case Act::kSigmoid: act_fragment<Act::kSigmoid>(y, z, slope); break;
+      case Act::kTanh: act_fragment<Act::kTanh>(y, z, slope); break;
+      case Act::kSilu: act_fragment<Act::kSilu>(y, z, slope); break;
+      default: y = z;
+    }
+    return y;
+  }
+};
+
+// The fusion "operation" tag: what the epilogue computes, free of tile details.
+template <class ElementOutput_, class ElementCompute_, class ElementBias_, class ElementSource_>
+struct RegemmFusion : cutlass::epilogue::fusion::FusionOperation {
+  using ElementOutput = ElementOutput_;
+  using ElementCompute = ElementCompute_;
+  static constexpr auto RoundStyle = cutlass::FloatRoundStyle::round_to_nearest;
+
+  using ElementSource = ElementSource_;
+  static constexpr bool IsSourceSupported = true;
+
+  using ElementScalar = ElementCompute_;
+  static constexpr int AlignmentScalar = 1;
+
+  using ElementBias = ElementBias_;
+  static constexpr int AlignmentBias = 1;  // bias may sit at any element offset (batched outer loops)
+  static constexpr bool IsPerRowBiasSupported = true;
+  static constexpr bool IsPerColBiasSupported = true;
+
+  using ActivationFn = ActFn<ElementCompute_>;
+  static constexpr bool IsEltActSupported = true;
+
+  using ElementAux = ElementOutput_;  // Z has Y's type
+  using GmemLayoutTagAux = cutlass::layout::RowMajor;
+  static constexpr int AlignmentAux = 128 / cute::sizeof_bits_v<ElementOutput_>;
+  static constexpr bool IsAuxOutSupported = true;
+};
+
+namespace evt {
+using namespace cutlass::epilogue::fusion;
+using cute::_0;
+using cute::_1;
+using cute::Stride;
+constexpr auto kRound = cutlass::FloatRoundStyle::round_to_nearest;
+
+template <class CtaTile, class EpiTile, int StagesD, class SmemLayoutAtom, class CopyOpR2S, class EO, class EC,
+          class EB, class ES>
+using Tree =
+    Sm90EVT<Sm90Compute<ActFn, EO, EC, kRound>,  // Y = act(Z)
+      Sm90EVT<Sm90AuxStore<StagesD, EpiTile, EO, kRound,
+                           Stride<int64_t, _1, int64_t>, SmemLayoutAtom, CopyOpR2S>,  // store Z (optional)
+        Sm90EVT<Sm90Compute<cutlass::homogeneous_multiply_add, EC, EC, kRound>,              // Z = beta * C + X
+          Sm90ScalarBroadcast<EC, Stride<_0, _0, int64_t>>,                          //   beta
+          Sm90SrcFetch<ES>,                                                          //   C
+          Sm90EVT<Sm90Compute<cutlass::homogeneous_multiply_add, EC, EC, kRound>,            //   X = alpha * acc + bias
+            Sm90ScalarBroadcast<EC, Stride<_0, _0, int64_t>>,                        //     alpha
+            Sm90AccFetch,                                                            //     acc
+            Sm90EVT<Sm90Compute<cutlass::plus, EC, EC, kRound>,                              //     bias = col + row
+              Sm90RowBroadcast<0, CtaTile, EB, EC, Stride<_0, bool, int64_t>, 1>,    //       per-col / scalar
+              Sm90ColBroadcast<0, CtaTile, EB, EC, Stride<_1, _0, int64_t>, 1>>>>>>; //       per-row
+}  // namespace evt
+
+}  // namespace regemm::cutlass_sm90
+
+namespace cutlass::epilogue::fusion {
+
+template <int StagesC, int StagesD, int FragmentSize, bool ReuseSmemC, bool DelayTmaStore, class EO, class EC,
+          class EB, class ES, class CtaTileShapeMNK, class EpilogueTile, class SmemLayoutAtom, class CopyOpR2S>
+struct FusionCallbacks<epilogue::Sm90TmaWarpSpecialized<StagesC, StagesD, FragmentSize, ReuseSmemC, DelayTmaStore>,
+                       regemm::cutlass_sm90::RegemmFusion<EO, EC, EB, ES>, CtaTileShapeMNK, EpilogueTile,
+                       SmemLayoutAtom, CopyOpR2S>
+    : regemm::cutlass_sm90::evt::Tree<CtaTileShapeMNK, EpilogueTile, StagesD, SmemLayoutAtom, CopyOpR2S, EO, EC, EB,
+                                      ES> {
+  using Impl = regemm::cutlass_sm90::evt::Tree<CtaTileShapeMNK, EpilogueTile, StagesD, SmemLayoutAtom, CopyOpR2S,
+                                               EO, EC, EB, ES>;
+  using Operation = regemm::cutlass_sm90::RegemmFusion<EO, EC, EB, ES>;
+
+  // Flat, named arguments; converted to the tree's nested ones below.
+  struct Arguments {
+    EC alpha = EC(1);
+    EC beta = EC(0);
+    EB const* col_bias = nullptr;  // per-column (col_bias_per_n) or scalar (!col_bias_per_n)
+    bool col_bias_per_n = true;
+    int64_t col_bias_batch_stride = 0;
+    EB const* row_bias = nullptr;  // per-row
+    int64_t row_bias_batch_stride = 0;
+    EO* z = nullptr;               // null: Z not stored
+    int64_t ldz = 0, z_batch_stride = 0;
+    regemm::cutlass_sm90::ActArgs act = {};
+
+    operator typename Impl::Arguments() const {
+      using cute::_0;
+      using cute::_1;
+      return {  // Y = act(Z)
+          {  // store Z
+              {  // Z = beta * C + X
+                  {{beta}, {nullptr}, {{_0{}, _0{}, int64_t(0)}}},  // beta
+                  {},                                               // C
+                  {  // X = alpha * acc + bias
+                      {{alpha}, {nullptr}, {{_0{}, _0{}, int64_t(0)}}},  // alpha
+                      {},                                                // acc
+                      {  // bias = col + row
+                          {col_bias, EB(0), {_0{}, col_bias_per_n, col_bias_batch_stride}},
+                          {row_bias, EB(0), {_1{}, _0{}, row_bias_batch_stride}},
+                          {}},
+                      {}},
+                  {}},
+              {z, {ldz, _1{}, z_batch_stride}}},
+          act};
+    }
+  };
+
+  using Impl::Impl;
+};
+
+}  // namespace cutlass::epilogue::fusion

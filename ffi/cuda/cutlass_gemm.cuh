@@ -1,0 +1,157 @@
+// One CUTLASS 3.x sm90 GEMM (TMA + wgmma, warp-specialized, persistent) with
+// the regemm epilogue tree, and the launch of it for a GemmProblem.
+//
+// Layouts: Y (and C, Z) row-major [M, N]; A row-major [M, K] or, trans_a,
+// stored [K, M] = CUTLASS column-major; B row-major [K, N] (N-major) or,
+// trans_b, stored [N, K] = CUTLASS column-major (K-major). The batch is
+// CUTLASS's L mode with each operand's own stride.
+//
+// Included only by the generated instantiation TUs (cutlass_inst.cu.in).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <type_traits>
+
+#include "cute/tensor.hpp"
+#include "cutlass/cutlass.h"
+#include "cutlass/epilogue/collective/collective_builder.hpp"
+#include "cutlass/gemm/collective/collective_builder.hpp"
+#include "cutlass/gemm/device/gemm_universal_adapter.h"
+#include "cutlass/gemm/kernel/gemm_universal.hpp"
+#include "cutlass/gemm/kernel/tile_scheduler.hpp"
+#include "cutlass_epilogue.cuh"
+#include "cutlass_kernels.h"
+
+namespace regemm::cutlass_sm90 {
+
+template <DType D> struct Elem;
+template <> struct Elem<DType::kBF16> { using type = cutlass::bfloat16_t; };
+template <> struct Elem<DType::kF16> { using type = cutlass::half_t; };
+template <> struct Elem<DType::kF32> { using type = float; };  // the builder maps f32 operands to TF32 MMA
+
+template <Config C, int KT> struct ConfigTraits;
+template <int KT> struct ConfigTraits<Config::kCoop128x256, KT> {
+  using Tile = cute::Shape<cute::_128, cute::_256, cute::Int<KT>>;
+  using Cluster = cute::Shape<cute::_2, cute::_1, cute::_1>;
+  using Mainloop = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
+  using Epilogue = cutlass::epilogue::TmaWarpSpecializedCooperative;
+  using Scheduler = cutlass::gemm::PersistentScheduler;
+};
+template <int KT> struct ConfigTraits<Config::kPing128x128, KT> {
+  using Tile = cute::Shape<cute::_128, cute::_128, cute::Int<KT>>;
+  using Cluster = cute::Shape<cute::_2, cute::_1, cute::_1>;
+  using Mainloop = cutlass::gemm::KernelTmaWarpSpecializedPingpong;
+  using Epilogue = cutlass::epilogue::TmaWarpSpecialized;
+  using Scheduler = cutlass::gemm::PersistentScheduler;
+};
+template <int KT> struct ConfigTraits<Config::kStreamK128x128, KT> {
+  using Tile = cute::Shape<cute::_128, cute::_128, cute::Int<KT>>;
+  using Cluster = cute::Shape<cute::_1, cute::_1, cute::_1>;
+  using Mainloop = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
+  using Epilogue = cutlass::epilogue::TmaWarpSpecializedCooperative;
+  using Scheduler = cutlass::gemm::StreamKScheduler;
+};
+
+template <DType D, bool TA, bool TB, Config C>
+struct GemmType {
+  using T = typename Elem<D>::type;
+  static constexpr int kAlign = 16 / int(sizeof(T));  // TMA: 16-byte rows
+  using Cfg = ConfigTraits<C, 128 / int(sizeof(T))>;
+  using LayoutA = std::conditional_t<TA, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor>;
+  using LayoutB = std::conditional_t<TB, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor>;
+  using LayoutC = cutlass::layout::RowMajor;
+  using Fusion = RegemmFusion<T, float, T, T>;
+
+  using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Cfg::Tile, typename Cfg::Cluster,
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float, T, LayoutC, kAlign, T, LayoutC, kAlign,
+      typename Cfg::Epilogue, Fusion>::CollectiveOp;
+
+  using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, T, LayoutA, kAlign, T, LayoutB, kAlign, float,
+      typename Cfg::Tile, typename Cfg::Cluster,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
+          sizeof(typename CollectiveEpilogue::SharedStorage))>,
+      typename Cfg::Mainloop>::CollectiveOp;
+
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, CollectiveMainloop,
+                                                      CollectiveEpilogue, typename Cfg::Scheduler>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+};
+
+// A rank-3 CuTe stride (rows, cols, batch) with one static unit mode: the
+// leading dimension goes to whichever of the first two modes is dynamic.
+template <class S>
+S make_stride3(int64_t ld, int64_t batch) {
+  S s{};
+  if constexpr (cute::is_static_v<std::remove_cv_t<std::remove_reference_t<decltype(cute::get<0>(s))>>>)
+    cute::get<1>(s) = ld;
+  else
+    cute::get<0>(s) = ld;
+  cute::get<2>(s) = batch;
+  return s;
+}
+
+template <DType D, bool TA, bool TB, Config C>
+Status run_gemm(const GemmProblem& p, const GemmOperands& o, const Launch& l) {
+  using G = GemmType<D, TA, TB, C>;
+  using Gemm = typename G::Gemm;
+  using T = typename G::T;
+  using K = typename G::Kernel;
+
+  const int64_t mn = p.m * p.n;
+  const bool one = p.batch == 1;
+  auto sa = make_stride3<typename K::StrideA>(p.lda(), one ? 0 : p.stride_a);
+  auto sb = make_stride3<typename K::StrideB>(p.ldb(), one ? 0 : p.stride_b);
+  // Without C, the C descriptor points at Y (any valid tensor) and beta = 0
+  // makes the epilogue skip the load.
+  const bool use_c = p.has_c && p.beta != 0.0;
+  auto sc = make_stride3<typename K::StrideC>(p.n, one ? 0 : (use_c ? p.stride_c : mn));
+  auto sd = make_stride3<typename K::StrideD>(p.n, one ? 0 : mn);
+
+  typename G::CollectiveEpilogue::FusionCallbacks::Arguments fa;
+  fa.alpha = float(p.alpha);
+  fa.beta = use_c ? float(p.beta) : 0.0f;
+  const T* bias = static_cast<const T*>(o.bias);
+  const int64_t sbias = one ? 0 : p.stride_bias;
+  switch (p.bias_kind) {
+    case BiasKind::kNone: break;
+    case BiasKind::kPerCol: fa.col_bias = bias; fa.col_bias_per_n = true; fa.col_bias_batch_stride = sbias; break;
+    case BiasKind::kScalar: fa.col_bias = bias; fa.col_bias_per_n = false; fa.col_bias_batch_stride = sbias; break;
+    case BiasKind::kPerRow: fa.row_bias = bias; fa.row_bias_batch_stride = sbias; break;
+  }
+  fa.z = p.store_z ? static_cast<T*>(o.z) : nullptr;
+  fa.ldz = p.n;
+  fa.z_batch_stride = one ? 0 : mn;
+  fa.act = ActArgs{int(p.act), float(p.slope)};
+
+  cutlass::KernelHardwareInfo hw;
+  hw.device_id = l.dev.device;
+  hw.sm_count = l.dev.sm_count;
+
+  typename Gemm::Arguments args{
+      cutlass::gemm::GemmUniversalMode::kGemm,
+      {int(p.m), int(p.n), int(p.k), int(p.batch)},
+      {static_cast<const T*>(o.a), sa, static_cast<const T*>(o.b), sb},
+      {fa, static_cast<const T*>(use_c ? o.c : o.y), sc, static_cast<T*>(o.y), sd},
+      hw};
+
+  Gemm gemm;
+  cutlass::Status st = gemm.can_implement(args);
+  if (st != cutlass::Status::kSuccess) return {"can_implement", cutlassGetStatusString(st)};
+  const size_t ws_bytes = Gemm::get_workspace_size(args);
+  void* ws = nullptr;
+  if (ws_bytes > 0) {
+    ws = l.alloc ? l.alloc(l.alloc_ctx, ws_bytes) : nullptr;
+    if (!ws) return {"workspace", "allocation failed"};
+  }
+  st = gemm.initialize(args, ws, l.stream);
+  if (st != cutlass::Status::kSuccess) return {"initialize", cutlassGetStatusString(st)};
+  st = gemm.run(l.stream);
+  if (st != cutlass::Status::kSuccess) return {"run", cutlassGetStatusString(st)};
+  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return {"launch", cudaGetErrorString(e)};
+  return {};
+}
+
+}  // namespace regemm::cutlass_sm90

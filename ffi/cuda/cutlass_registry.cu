@@ -1,0 +1,53 @@
+// The CUTLASS sm90 GEMM as an entry of the CUDA kernel registry. The choice
+// of configuration and the launch are in cutlass_dispatch.cu; the kernels in
+// their own translation units (cutlass.cmake).
+#include <string>
+
+#include "../regemm/handlers.h"
+#include "cutlass_dispatch.h"
+#include "runtime.h"
+
+namespace regemm::cutlass_sm90 {
+namespace {
+
+constexpr const char* kName = "cutlass_sm90";
+// Above the SIMT fallback and the cuBLAS plain GEMM: this kernel fuses the
+// whole epilogue and matches cuBLAS on the GEMM itself.
+constexpr int kPriority = 100;
+
+bool supports(const GemmProblem& p) { return can_run(p); }
+
+// The next-best other entry, for the rare call supports() could not foresee
+// (a buffer not 16-byte aligned).
+ffi::Error run_elsewhere(const GemmProblem& p, const GemmOperands& o, CudaRuntime& rt) {
+  const GemmRegistry<CudaRuntime>::Entry* best = nullptr;
+  for (const auto& e : GemmRegistry<CudaRuntime>::get().entries())
+    if (e.name != kName && e.supports(p) && (!best || e.priority > best->priority)) best = &e;
+  if (!best) return ffi::Error::InvalidArgument("regemm/cutlass: unaligned buffer and no other kernel for it");
+  return best->run(p, o, rt);
+}
+
+// Null while the stream is being captured (runtime.h); the dispatch then
+// picks no configuration that needs a workspace.
+void* scratch_alloc(void* ctx, size_t bytes) {
+  void* mem = nullptr;
+  return static_cast<CudaRuntime*>(ctx)->scratch_for_call(bytes, &mem).success() ? mem : nullptr;
+}
+
+ffi::Error run_entry(const GemmProblem& p, const GemmOperands& o, CudaRuntime& rt) {
+  const DeviceInfo* dev = sm90_device();
+  if (!dev || !can_launch(p, o)) return run_elsewhere(p, o, rt);
+  Launch l;
+  l.stream = rt.stream;
+  l.dev = *dev;
+  l.alloc = scratch_alloc;
+  l.alloc_ctx = &rt;
+  const Status st = run(p, o, l);
+  if (st.ok()) return ffi::Error::Success();
+  return ffi::Error::Internal(std::string("regemm/cutlass: ") + st.stage + ": " + (st.detail ? st.detail : ""));
+}
+
+const Register<GemmProblem, GemmOperands, CudaRuntime> kRegister({kName, kPriority, supports, run_entry});
+
+}  // namespace
+}  // namespace regemm::cutlass_sm90

@@ -1,0 +1,78 @@
+// Test-only C API over the CUTLASS sm90 kernels (ffi/cuda/cutlass_dispatch.h),
+// so that tests/cutlass_check.py can drive them from Python (ctypes + PyTorch
+// buffers) without XLA: correctness of every epilogue combination and
+// per-configuration timing, independent of the FFI module.
+//
+//   nvcc -shared -Xcompiler -fPIC tests/cutlass_capi.cu ffi/cuda/cutlass_dispatch.cu <kernel objects> -o lib.so
+#include <cuda_runtime.h>
+
+#include <cstdio>
+
+#include "../ffi/cuda/cutlass_dispatch.h"
+
+using namespace regemm;
+using namespace regemm::cutlass_sm90;
+
+namespace {
+// Workspace for stream-K: one buffer, grown on demand (tests only; the FFI
+// entry takes XLA's scratch allocator instead).
+void* g_ws = nullptr;
+size_t g_ws_bytes = 0;
+void* grow(void*, size_t bytes) {
+  if (bytes > g_ws_bytes) {
+    cudaDeviceSynchronize();
+    cudaFree(g_ws);
+    g_ws = nullptr;
+    g_ws_bytes = 0;
+    if (cudaMalloc(&g_ws, bytes) != cudaSuccess) return nullptr;
+    g_ws_bytes = bytes;
+  }
+  return g_ws;
+}
+
+GemmProblem make_problem(const long long* d, const double* f) {
+  GemmProblem p;
+  p.dtype = DType(d[0]);
+  p.m = d[1]; p.n = d[2]; p.k = d[3];
+  p.trans_a = d[4]; p.trans_b = d[5];
+  p.act = Act(d[6]);
+  p.bias_kind = BiasKind(d[7]);
+  p.has_c = d[8]; p.store_z = d[9];
+  p.batch = d[10];
+  p.stride_a = d[11]; p.stride_b = d[12]; p.stride_bias = d[13]; p.stride_c = d[14];
+  p.exact_f32 = false;
+  p.slope = f[0]; p.alpha = f[1]; p.beta = f[2];
+  return p;
+}
+}  // namespace
+
+extern "C" {
+
+// d: dtype(0 f32,2 bf16,3 f16), m, n, k, trans_a, trans_b, act, bias_kind, has_c,
+//    store_z, batch, stride_a, stride_b, stride_bias, stride_c
+// f: slope, alpha, beta;  ptrs: a, b, bias, c, y, z
+// Returns 0 on success, 1 if the kernels do not support the problem, 2 on
+// error (message in err).
+int regemm_cutlass_gemm(const long long* d, const double* f, void* const* ptrs, void* stream, char* err, int errlen) {
+  GemmProblem p = make_problem(d, f);
+  GemmOperands o{ptrs[0], ptrs[1], ptrs[2], ptrs[3], ptrs[4], ptrs[5]};
+  const DeviceInfo* dev = sm90_device();
+  if (!dev || !can_run(p) || !can_launch(p, o)) return 1;
+  Launch l;
+  l.stream = static_cast<cudaStream_t>(stream);
+  l.dev = *dev;
+  l.alloc = grow;
+  Status st = run(p, o, l, /*scratch_while_capturing=*/true);  // grow() keeps its buffer
+  if (st.ok()) return 0;
+  std::snprintf(err, errlen, "%s: %s", st.stage, st.detail ? st.detail : "");
+  return 2;
+}
+
+// Name of the configuration run() would pick now (forced, tuned or rule).
+const char* regemm_cutlass_config(const long long* d, const double* f) {
+  const DeviceInfo* dev = sm90_device();
+  if (!dev) return "none";
+  return kConfigNames[int(peek_config(make_problem(d, f), *dev))];
+}
+
+}  // extern "C"
