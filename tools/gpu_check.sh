@@ -14,6 +14,7 @@ cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu_check_out}"
 mkdir -p "$OUT"
 PY="${PYTHON:-python3}"
+BUDGET="${GPU_CHECK_BUDGET:-470}"  # seconds for the whole check; tests and sanitizers get what the build leaves
 export PYTHONUNBUFFERED=1 REGEMM_CUDA=ON
 export CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-16}"
 t0=$SECONDS
@@ -28,6 +29,8 @@ t0=$SECONDS
 "$PY" -m pip install --no-build-isolation --no-deps -v . >"$OUT/build.log" 2>&1
 build_rc=$?
 build_s=$((SECONDS - t0))
+left=$((BUDGET - build_s - 15))
+[ $left -lt 60 ] && left=60
 if [ $build_rc -eq 0 ]; then
   "$PY" -c "import jax_regemm as rg; print(rg.kernels())" >>"$OUT/env.log" 2>&1 || build_rc=99
 fi
@@ -47,7 +50,7 @@ if [ $build_rc -eq 0 ] && [ -n "$SAN" ]; then
     [ "$tool" != memcheck ] && filter="--kernel-name kns=regemm"
     for mode in $MODES; do
       (
-        XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 420 "$SAN" --tool "$tool" $filter --print-limit 50 \
+        XLA_PYTHON_CLIENT_PREALLOCATE=false timeout $left "$SAN" --tool "$tool" $filter --print-limit 50 \
           "$PY" tools/sanitize_workload.py "$mode"
         echo "sanitizer exit status: $?"
       ) >"$OUT/.san_${tool}_${mode}.log" 2>&1 &
@@ -60,7 +63,7 @@ fi
 test_rc=1
 if [ $build_rc -eq 0 ]; then
   # -P: import the installed package, not the source tree in the current directory.
-  XLA_PYTHON_CLIENT_MEM_FRACTION=0.6 timeout 430 "$PY" -P -m pytest -q -p no:cacheprovider -rfE tests \
+  XLA_PYTHON_CLIENT_MEM_FRACTION=0.6 timeout $left "$PY" -P -m pytest -q -p no:cacheprovider -rfE --durations=15 tests \
     >"$OUT/pytest.log" 2>&1
   test_rc=$?
 fi
