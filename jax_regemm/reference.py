@@ -21,8 +21,8 @@ def act_fwd(name: str, z, slope=0.01):
     """act(z) of SPEC §3."""
     if name == "none":
         return z
-    if name == "relu":
-        return jnp.maximum(z, 0)
+    if name == "relu":  # jax.nn.relu: its derivative at 0 is 0, as in SPEC §3 (jnp.maximum's is 1/2)
+        return jax.nn.relu(z)
     if name == "leaky_relu":
         return jnp.where(z > 0, z, slope * z)
     if name == "gelu":
@@ -52,9 +52,13 @@ def _act_grad(name, z, slope):
     if name == "leaky_relu":
         return jnp.where(z > 0, one, slope * one)
     if name == "gelu":
+        # Past |z| = 30, gelu' is 1 or 0 to the last bit of float64, while the formula
+        # would form 0 * inf once z^3 overflows (|z| > ~1e13 in float32): clamp, then select.
         c, k = jnp.sqrt(2 / jnp.pi).astype(z.dtype), 0.044715
-        t = jnp.tanh(c * (z + k * z**3))
-        return 0.5 * (1 + t) + 0.5 * z * (1 - t * t) * c * (1 + 3 * k * z * z)
+        zc = jnp.clip(z, -30, 30)
+        t = jnp.tanh(c * (zc + k * zc**3))
+        g = 0.5 * (1 + t) + 0.5 * zc * (1 - t * t) * c * (1 + 3 * k * zc * zc)
+        return jnp.where(z > 30, one, jnp.where(z < -30, 0 * one, g))
     if name == "gelu_erf":
         return 0.5 * lax.erfc(-z / jnp.sqrt(2).astype(z.dtype)) + z * jnp.exp(-0.5 * z * z) / jnp.sqrt(
             2 * jnp.pi
