@@ -22,7 +22,7 @@ t0=$SECONDS
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   nvcc --version | tail -2
-  "$PY" -c "import sys, jax; print(sys.version.split()[0], 'jax', jax.__version__, jax.devices())"
+  "$PY" -P -c "import sys, jax; print(sys.version.split()[0], 'jax', jax.__version__, jax.devices())"
 } >"$OUT/env.log" 2>&1
 
 # --- 1. build -----------------------------------------------------------------
@@ -32,7 +32,7 @@ build_s=$((SECONDS - t0))
 left=$((BUDGET - build_s - 15))
 [ $left -lt 60 ] && left=60
 if [ $build_rc -eq 0 ]; then
-  "$PY" -c "import jax_regemm as rg; print(rg.kernels())" >>"$OUT/env.log" 2>&1 || build_rc=99
+  "$PY" -P -c "import jax_regemm as rg; print(rg.kernels())" >>"$OUT/env.log" 2>&1 || build_rc=99
 fi
 
 # --- 3. sanitizers, in the background (small GPU footprint each) ---------------
