@@ -195,7 +195,22 @@ def correctness(lib, out):
     y = torch.empty(1, 64, 100, device="cuda", dtype=torch.bfloat16)
     if lib.gemm(p, a, b, bias, c, y, None) != 1:
         fails.append("N=100 bf16 was not declined")
-    # 5. NaN in gives NaN out (row i of A -> row i of Y), and large |z| stays finite where it should.
+    # 5. The activations alone (FastMath): f32 with B = I and A exact in TF32, so Z = A exactly.
+    for act in ACTS:
+        p = problem("f32", 256, 64, 64, ta=0, tb=1, act=act, slope=0.2)
+        a = (torch.randint(-192, 193, (1, 256, 64), device="cuda", generator=gen).float() / 16)
+        b = torch.eye(64, device="cuda")[None]
+        y = torch.empty(1, 256, 64, device="cuda")
+        lib.gemm(p, a, b, None, None, y, None)
+        torch.cuda.synchronize()
+        yr, _ = reference(p, a, b, None, None)
+        err = rel_err(y, yr)
+        acc_rec = dict(check="act_accuracy", act=act, rel_err=err, max_abs=float((y.double() - yr).abs().max()))
+        log.append(dict(dtype="f32-act", err_y=err, err_z=0.0, ok=err < 1e-3, **acc_rec))
+        print(f"  {act:>10}: activation rel. error {err:.2e}, max abs {acc_rec['max_abs']:.2e}", flush=True)
+        if not err < 1e-3:
+            fails.append(f"activation accuracy {act}: {err:.2e}")
+    # 6. NaN in gives NaN out (row i of A -> row i of Y), and large |z| stays finite where it should.
     p = problem("bf16", 256, 256, 128, act="gelu", bias="per_col")
     a, b, bias, c = make_inputs(p, gen)
     a[0, 3, 5] = float("nan")
@@ -297,13 +312,23 @@ def timing(lib, out, shapes, dtypes, acts):
             base = dict(dtype=dt, m=m, k=k, n=n, torch_matmul_ms=mm, torch_unfused_ms=tf)
             for cfg in CONFIGS:
                 os.environ["REGEMM_CUTLASS_CONFIG"] = cfg
-                for act, bias, store_z in [("none", "none", 0)] + [(a, "per_col", 0) for a in acts] + [("gelu", "per_col", 1)]:
+                for act, bias, store_z in ([("none", "none", 0), ("none", "per_col", 0)] + [(a, "per_col", 0) for a in acts]
+                                           + [("gelu", "per_col", 1)]):
                     p = problem(dt, m, n, k, act=act, bias=bias, store_z=store_z)
                     calls = [lambda i=i, p=p: lib.gemm(p, sets[i % 3][0], sets[i % 3][1], sets[i % 3][2] if bias != "none" else None,
                                                         None, y, z if store_z else None) for i in range(r_per)]
                     ms = graph_time_ms(calls)
-                    recs.append(dict(base, config=cfg, act=act, bias=bias, store_z=store_z, ms=ms,
+                    recs.append(dict(base, config=cfg, act=act, bias=bias, store_z=store_z, layout="ff", ms=ms,
                                      tflops=flops / ms / 1e9, ratio=ms / mm))
+                if dt == "f32":  # the K-major B layout (x @ w.T): TF32's direct path, for comparison
+                    p = problem(dt, m, n, k, tb=1, act="relu", bias="per_col")
+                    bt = [s_[1].t().contiguous() for s_ in sets]
+                    calls = [lambda i=i, p=p: lib.gemm(p, sets[i % 3][0], bt[i % 3], sets[i % 3][2], None, y, None)
+                             for i in range(r_per)]
+                    ms = graph_time_ms(calls)
+                    recs.append(dict(base, config=cfg, act="relu", bias="per_col", store_z=0, layout="ft", ms=ms,
+                                     tflops=flops / ms / 1e9, ratio=ms / mm))
+                    del bt
             os.environ.pop("REGEMM_CUTLASS_CONFIG", None)
             # What the tuner and the rule would choose.
             p = problem(dt, m, n, k, act="gelu", bias="per_col")
@@ -319,18 +344,22 @@ def timing(lib, out, shapes, dtypes, acts):
             torch.cuda.empty_cache()
     with open(os.path.join(out, "cutlass_timing.json"), "w") as f:
         json.dump(recs, f, indent=0)
-    # Table: per shape, best config's time for none/relu/gelu, ratio to cuBLAS matmul.
-    print("\n| dtype | M K N | cuBLAS mm ms | config | none | relu | gelu | gelu_erf | silu | gelu+Z | torch gelu unfused |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    # Table: per shape and config, time / cuBLAS matmul (R: the rule's choice, T: the tuner's).
+    print("\n| dtype | M K N | cuBLAS mm ms | config | plain | +bias | relu | gelu | gelu_erf | silu | gelu+Z | ft relu | torch gelu |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for dt in dtypes:
         for m, k, n in shapes:
-            rs = [r for r in recs if r["dtype"] == dt and (r["m"], r["k"], r["n"]) == (m, k, n) and r["config"] != "choice"]
-            ch = [r for r in recs if r["dtype"] == dt and (r["m"], r["k"], r["n"]) == (m, k, n) and r["config"] == "choice"][0]
+            sel = lambda r: r["dtype"] == dt and (r["m"], r["k"], r["n"]) == (m, k, n)
+            rs = [r for r in recs if sel(r) and r["config"] != "choice"]
+            ch = [r for r in recs if sel(r) and r["config"] == "choice"][0]
             for cfg in CONFIGS:
-                get = lambda a, zz=0: next((r["ratio"] for r in rs if r["config"] == cfg and r["act"] == a and r["store_z"] == zz), float("nan"))
+                def get(a, b="per_col", zz=0, lay="ff"):
+                    return next((r["ratio"] for r in rs if r["config"] == cfg and r["act"] == a and r["bias"] == b
+                                 and r["store_z"] == zz and r["layout"] == lay), float("nan"))
                 mark = ("R" if ch["rule"] == cfg else "") + ("T" if ch["tuned"] == cfg else "")
-                print(f"| {dt} | {m} {k} {n} | {rs[0]['torch_matmul_ms']:.4f} | {cfg} {mark} | {get('none'):.3f} | {get('relu'):.3f} | "
-                      f"{get('gelu'):.3f} | {get('gelu_erf'):.3f} | {get('silu'):.3f} | {get('gelu', 1):.3f} | "
+                print(f"| {dt} | {m} {k} {n} | {rs[0]['torch_matmul_ms']:.4f} | {cfg} {mark} | {get('none', 'none'):.3f} | "
+                      f"{get('none'):.3f} | {get('relu'):.3f} | {get('gelu'):.3f} | {get('gelu_erf'):.3f} | {get('silu'):.3f} | "
+                      f"{get('gelu', zz=1):.3f} | {get('relu', lay='ft'):.3f} | "
                       f"{rs[0]['torch_unfused_ms']['gelu'] / rs[0]['torch_matmul_ms']:.3f} |")
     return recs
 

@@ -36,3 +36,18 @@ nvcc $FLAGS -shared -Iffi/cuda tests/cutlass_capi.cu ffi/cuda/cutlass_dispatch.c
 [ -f $LIB ] || { echo "link failed"; exit 1; }
 echo "HGMMA instructions in the bf16 128x256 kernel: $(cuobjdump -sass "$PRE"/cutlass_bf16_ff_coop.o 2>/dev/null | grep -c HGMMA)"
 PYTHONUNBUFFERED=1 python3 tests/cutlass_check.py --lib $LIB --out "$OUT" "$@" 2>&1 | tee "$OUT/check.log"
+
+# Optional: the package through JAX (REGEMM_JAX=1): install it (the kernels
+# from $PRE when its stamp matches), then regemm vs XLA in one process
+# (benchmarks/bench_gpu.py) and the API-level tests, each under a time limit.
+if [ "${REGEMM_JAX:-0}" = 1 ]; then
+  t0=$SECONDS
+  CMAKE_BUILD_PARALLEL_LEVEL=16 REGEMM_CUDA=ON python3 -m pip install --no-build-isolation --no-deps -v \
+    -C cmake.define.REGEMM_CUTLASS_PREBUILT="$PWD/$PRE" . > "$OUT/install.log" 2>&1 || { tail -30 "$OUT/install.log"; exit 1; }
+  grep -i "jax_regemm:" "$OUT/install.log" | head -5
+  echo "install: $((SECONDS - t0)) s"
+  cd /tmp && python3 -c "import jax_regemm as rg; print(rg.kernels())" && cd - > /dev/null
+  timeout "${BENCH_S:-240}" python3 benchmarks/bench_gpu.py --layers "${BENCH_LAYERS:-16384:4096:4096,8192:1024:4096,4096:4096:1024,65536:256:256,2048:1024:1024}" \
+    --dtypes "${BENCH_DTYPES:-bf16,f32_default}" --modes fwd --no-mlp --repeats 10 --out "$OUT/bench" 2>&1 | tail -60 | tee "$OUT/bench.log"
+  timeout "${PYTEST_S:-120}" python3 -P -m pytest -q -x tests/test_gpu_cutlass.py 2>&1 | tail -15 | tee "$OUT/pytest.log"
+fi

@@ -17,7 +17,10 @@
 set(REGEMM_CUTLASS AUTO CACHE STRING "Build the CUTLASS sm90 kernels: AUTO, ON or OFF")
 set(REGEMM_CUTLASS_DIR "" CACHE PATH "CUTLASS source root; empty: the nvidia-cutlass wheel's")
 set(REGEMM_CUTLASS_DTYPES "bf16;f16;f32" CACHE STRING "dtypes of the CUTLASS kernels (bf16, f16, f32 = TF32)")
-set(REGEMM_CUTLASS_PREBUILT "" CACHE PATH "directory of prebuilt CUTLASS kernel objects to link instead of compiling")
+# Default: .cutlass_prebuilt/ at the repository root, where cutlass_prebuild.sh
+# puts them for the device runs (git-ignored; used only if its stamp matches).
+set(REGEMM_CUTLASS_PREBUILT "${PROJECT_SOURCE_DIR}/.cutlass_prebuilt" CACHE PATH
+    "directory of prebuilt CUTLASS kernel objects to link instead of compiling")
 
 if(REGEMM_CUTLASS STREQUAL "OFF")
   return()
@@ -58,7 +61,7 @@ target_include_directories(regemm_cutlass PRIVATE
 # Prebuilt objects count only if built from these very sources (the stamp of
 # ffi/cuda/cutlass_stamp.sh: keep the file lists equal).
 set(_regemm_cutlass_use_prebuilt FALSE)
-if(REGEMM_CUTLASS_PREBUILT)
+if(REGEMM_CUTLASS_PREBUILT AND EXISTS "${REGEMM_CUTLASS_PREBUILT}/sources.sha256")
   set(_stamp_lines "")
   foreach(_f "${_regemm_cutlass_src}/cutlass_inst.cu.in" "${_regemm_cutlass_src}/cutlass_gemm.cuh"
              "${_regemm_cutlass_src}/cutlass_epilogue.cuh" "${_regemm_cutlass_src}/cutlass_kernels.h"
@@ -69,10 +72,7 @@ if(REGEMM_CUTLASS_PREBUILT)
     string(APPEND _stamp_lines "${_h}\n")
   endforeach()
   string(SHA256 _stamp "${_stamp_lines}")
-  set(_have "")
-  if(EXISTS "${REGEMM_CUTLASS_PREBUILT}/sources.sha256")
-    file(STRINGS "${REGEMM_CUTLASS_PREBUILT}/sources.sha256" _have LIMIT_COUNT 1)
-  endif()
+  file(STRINGS "${REGEMM_CUTLASS_PREBUILT}/sources.sha256" _have LIMIT_COUNT 1)
   if(_have STREQUAL _stamp)
     set(_regemm_cutlass_use_prebuilt TRUE)
     message(STATUS "jax_regemm: linking prebuilt CUTLASS kernels from ${REGEMM_CUTLASS_PREBUILT}")

@@ -111,21 +111,27 @@ Status launch(RunFn fn, const GemmProblem& p, const GemmOperands& o, const Launc
 // ---------------------------------------------------------------------------
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-// Without measurements: the config whose last wave is fullest, counting a
-// 128x256 tile as two 128x128 tiles' work and a ping-pong 128x128 tile as
-// slightly dearer per FLOP than the cooperative 128x256 (measured facts note:
-// at large M*N the 128x256 cooperative kernel matches cuBLAS, the 128x128 ones
-// trail by about 10%). Few tiles and a long K: stream-K spreads K over SMs.
+// Without timing (under graph capture, or REGEMM_CUTLASS_TUNE=0): a rule from
+// the measured winners (benchmarks/NOTES_perf.md, device run 1, bf16 with bias):
+// - no more 128x128 tiles than SMs (2048x1024 outputs): stream-K, which spreads
+//   K over the idle SMs (1.36x cuBLAS vs 1.68 ping-pong, 2.08 cooperative);
+// - K in [512, 2048] with several waves of 128x128 tiles (8192x1024x4096):
+//   ping-pong, whose epilogue overlaps the other warpgroup's MMAs (1.06 vs 1.27);
+// - otherwise (long K, or very short K where the 128x256 tile halves B's
+//   traffic: 4096x4096x1024, 65536x256x256, 16384x4096x4096): cooperative 128x256.
 Config rule_config(const GemmProblem& p, const DeviceInfo& dev, DType t, bool ta, bool tb) {
   const auto& table = KernelTable::get();
   const int64_t sms = dev.sm_count > 0 ? dev.sm_count : 132;
-  const int64_t t128 = ceil_div(p.m, 128) * ceil_div(p.n, 128) * p.batch;
-  const int64_t t256 = ceil_div(p.m, 128) * ceil_div(p.n, 256) * p.batch;
-  if (t128 < sms && p.k >= 2048 && table.find(t, ta, tb, Config::kStreamK128x128)) return Config::kStreamK128x128;
-  const double cost_coop = double(ceil_div(t256, sms)) * 2.0;
-  const double cost_ping = double(ceil_div(t128, sms)) * 1.1;
-  Config c = cost_ping < cost_coop ? Config::kPing128x128 : Config::kCoop128x256;
-  if (!table.find(t, ta, tb, c)) c = c == Config::kPing128x128 ? Config::kCoop128x256 : Config::kPing128x128;
+  // The f32 K-major x N-major kernel computes the transposed problem (cutlass_gemm.cuh).
+  const bool swapped = t == DType::kF32 && !ta && !tb;
+  const int64_t m = swapped ? p.n : p.m, n = swapped ? p.m : p.n;
+  const int64_t t128 = ceil_div(m, 128) * ceil_div(n, 128) * p.batch;
+  Config c = Config::kCoop128x256;
+  if (t128 <= sms)
+    c = Config::kStreamK128x128;
+  else if (p.k >= 512 && p.k <= 2048 && t128 >= 4 * sms)
+    c = Config::kPing128x128;
+  if (!table.find(t, ta, tb, c)) c = Config::kCoop128x256;
   return c;
 }
 
@@ -222,7 +228,12 @@ Status run(const GemmProblem& p, const GemmOperands& o, const Launch& l, bool sc
   if (cudaStreamIsCapturing(l.stream, &cs) != cudaSuccess) return {"cudaStreamIsCapturing", cudaGetErrorString(cudaGetLastError())};
   const bool capturing = cs != cudaStreamCaptureStatusNone;
   Config c = choose_config(p, o, l, capturing);
-  if (capturing && !scratch_while_capturing && c == Config::kStreamK128x128) c = Config::kCoop128x256;
+  if (capturing && !scratch_while_capturing && c == Config::kStreamK128x128) {
+    // No workspace: the small problems stream-K wins go to ping-pong (second
+    // best there in run 1), the rest to cooperative.
+    const int64_t t128 = ceil_div(p.m, 128) * ceil_div(p.n, 128) * p.batch;
+    c = t128 <= (l.dev.sm_count > 0 ? l.dev.sm_count : 132) ? Config::kPing128x128 : Config::kCoop128x256;
+  }
   RunFn fn = KernelTable::get().find(p.dtype, p.trans_a, p.trans_b, c);
   if (!fn) return {"dispatch", "no kernel built for this dtype and layout"};
   return launch(fn, p, o, l);

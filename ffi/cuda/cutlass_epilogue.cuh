@@ -1,18 +1,24 @@
 // The regemm epilogue as a CUTLASS 3.x sm90 epilogue visitor tree (EVT):
 //
-//   Z = beta * C + (alpha * acc + (row_bias + col_bias))     (f32)
+//   Z = beta * C + (alpha * acc + (bias_n + bias_m + bias_s))     (f32)
 //   Y = act(Z)                                              (act chosen at run time)
 //   Z is stored beside Y when a pointer is given (Sm90AuxStore: nullptr = no-op).
 //
 // One compiled epilogue serves every bias kind, activation and store_z:
-// - per-column and scalar bias: Sm90RowBroadcast with a dynamic (bool) N stride
-//   (true: bias[j], false: bias[0]); per-row bias: Sm90ColBroadcast. The one
-//   not in use has a null pointer and contributes a zero without loading;
+// - bias along D's columns (bias_n[j]): Sm90RowBroadcast; along D's rows
+//   (bias_m[i]): Sm90ColBroadcast; a scalar: Sm90ScalarBroadcast from a
+//   pointer. Those not in use have null pointers and add a zero without loading.
+//   (A dynamic-stride RowBroadcast serving per-column and scalar alike cost 8%
+//   at 16384x4096x4096: static strides only.)
 // - C: the beta*C node skips the C load when beta == 0 (CUTLASS's own
 //   specialisation), so "no C" costs nothing;
-// - the activation: a compute node whose functor calls regemm::act_fwd, the one
-//   place the activation math lives. The switch sits outside the per-fragment
-//   loop, so each case compiles to the straight-line code of one activation.
+// - the activation: a compute node whose functor calls regemm::act_fwd with the
+//   GPU's fast elementary functions (activation.h's FastMath; the outputs are
+//   bf16/f16/TF32-precision), the one place the activation math lives. The
+//   switch sits outside the per-fragment loop, so each case compiles to the
+//   straight-line code of one activation.
+// - D (and Z) row-major, or column-major for kernels that compute Y^T = B^T A^T
+//   (cutlass_gemm.cuh: the f32 layout TF32 wgmma cannot take directly).
 //
 // Packaged as a FusionOperation + FusionCallbacks pair so that CUTLASS's
 // epilogue builder supplies the aux store's smem layout and copy atom.
@@ -35,7 +41,9 @@ struct ActArgs {
 template <class T>
 struct ActFn {
   using Arguments = ActArgs;
-  CUTLASS_HOST_DEVICE T operator()(T const& z, Arguments const& a) const { return act_fwd(Act(a.act), z, T(a.slope)); }
+  CUTLASS_HOST_DEVICE T operator()(T const& z, Arguments const& a) const {
+    return act_fwd<T, FastMath>(Act(a.act), z, T(a.slope));
+  }
 };
 
 // act over a fragment with the activation a compile-time constant, so that
@@ -43,7 +51,7 @@ struct ActFn {
 template <Act A, class T, int N>
 CUTLASS_HOST_DEVICE void act_fragment(cutlass::Array<T, N>& y, cutlass::Array<T, N> const& z, T slope) {
   CUTLASS_PRAGMA_UNROLL
-  for (int i = 0; i < N; ++i) y[i] = act_fwd(A, z[i], slope);
+  for (int i = 0; i < N; ++i) y[i] = act_fwd<T, FastMath>(A, z[i], slope);
 }
 
 template <class T, int N>
@@ -68,7 +76,7 @@ struct ActFn<cutlass::Array<T, N>> {
 };
 
 // The fusion "operation" tag: what the epilogue computes, free of tile details.
-template <class ElementOutput_, class ElementCompute_, class ElementBias_, class ElementSource_>
+template <class ElementOutput_, class ElementCompute_, class ElementBias_, class ElementSource_, class LayoutD_>
 struct RegemmFusion : cutlass::epilogue::fusion::FusionOperation {
   using ElementOutput = ElementOutput_;
   using ElementCompute = ElementCompute_;
@@ -89,7 +97,7 @@ struct RegemmFusion : cutlass::epilogue::fusion::FusionOperation {
   static constexpr bool IsEltActSupported = true;
 
   using ElementAux = ElementOutput_;  // Z has Y's type
-  using GmemLayoutTagAux = cutlass::layout::RowMajor;
+  using GmemLayoutTagAux = LayoutD_;
   static constexpr int AlignmentAux = 128 / cute::sizeof_bits_v<ElementOutput_>;
   static constexpr bool IsAuxOutSupported = true;
 };
@@ -102,20 +110,21 @@ using cute::Stride;
 constexpr auto kRound = cutlass::FloatRoundStyle::round_to_nearest;
 
 template <class CtaTile, class EpiTile, int StagesD, class SmemLayoutAtom, class CopyOpR2S, class EO, class EC,
-          class EB, class ES>
+          class EB, class ES, class StrideZ>
 using Tree =
-    Sm90EVT<Sm90Compute<ActFn, EO, EC, kRound>,  // Y = act(Z)
-      Sm90EVT<Sm90AuxStore<StagesD, EpiTile, EO, kRound,
-                           Stride<int64_t, _1, int64_t>, SmemLayoutAtom, CopyOpR2S>,  // store Z (optional)
-        Sm90EVT<Sm90Compute<cutlass::homogeneous_multiply_add, EC, EC, kRound>,              // Z = beta * C + X
+    Sm90EVT<Sm90Compute<ActFn, EO, EC, kRound>,                                      // Y = act(Z)
+      Sm90EVT<Sm90AuxStore<StagesD, EpiTile, EO, kRound, StrideZ, SmemLayoutAtom, CopyOpR2S>,  // store Z (optional)
+        Sm90EVT<Sm90Compute<cutlass::homogeneous_multiply_add, EC, EC, kRound>,      // Z = beta * C + X
           Sm90ScalarBroadcast<EC, Stride<_0, _0, int64_t>>,                          //   beta
           Sm90SrcFetch<ES>,                                                          //   C
-          Sm90EVT<Sm90Compute<cutlass::homogeneous_multiply_add, EC, EC, kRound>,            //   X = alpha * acc + bias
+          Sm90EVT<Sm90Compute<cutlass::homogeneous_multiply_add, EC, EC, kRound>,    //   X = alpha * acc + bias
             Sm90ScalarBroadcast<EC, Stride<_0, _0, int64_t>>,                        //     alpha
             Sm90AccFetch,                                                            //     acc
-            Sm90EVT<Sm90Compute<cutlass::plus, EC, EC, kRound>,                              //     bias = col + row
-              Sm90RowBroadcast<0, CtaTile, EB, EC, Stride<_0, bool, int64_t>, 1>,    //       per-col / scalar
-              Sm90ColBroadcast<0, CtaTile, EB, EC, Stride<_1, _0, int64_t>, 1>>>>>>; //       per-row
+            Sm90EVT<Sm90Compute<cutlass::plus, EC, EC, kRound>,                      //     bias = (n + m) + s
+              Sm90EVT<Sm90Compute<cutlass::plus, EC, EC, kRound>,
+                Sm90RowBroadcast<0, CtaTile, EB, EC, Stride<_0, _1, int64_t>, 1>,    //       bias_n[j]
+                Sm90ColBroadcast<0, CtaTile, EB, EC, Stride<_1, _0, int64_t>, 1>>,   //       bias_m[i]
+              Sm90ScalarBroadcast<EB, Stride<_0, _0, int64_t>>>>>>>;                 //       bias_s
 }  // namespace evt
 
 }  // namespace regemm::cutlass_sm90
@@ -123,27 +132,31 @@ using Tree =
 namespace cutlass::epilogue::fusion {
 
 template <int StagesC, int StagesD, int FragmentSize, bool ReuseSmemC, bool DelayTmaStore, class EO, class EC,
-          class EB, class ES, class CtaTileShapeMNK, class EpilogueTile, class SmemLayoutAtom, class CopyOpR2S>
+          class EB, class ES, class LayoutD, class CtaTileShapeMNK, class EpilogueTile, class SmemLayoutAtom,
+          class CopyOpR2S>
 struct FusionCallbacks<epilogue::Sm90TmaWarpSpecialized<StagesC, StagesD, FragmentSize, ReuseSmemC, DelayTmaStore>,
-                       regemm::cutlass_sm90::RegemmFusion<EO, EC, EB, ES>, CtaTileShapeMNK, EpilogueTile,
+                       regemm::cutlass_sm90::RegemmFusion<EO, EC, EB, ES, LayoutD>, CtaTileShapeMNK, EpilogueTile,
                        SmemLayoutAtom, CopyOpR2S>
     : regemm::cutlass_sm90::evt::Tree<CtaTileShapeMNK, EpilogueTile, StagesD, SmemLayoutAtom, CopyOpR2S, EO, EC, EB,
-                                      ES> {
+                                      ES, cutlass::gemm::TagToStrideC_t<LayoutD>> {
+  using StrideZ = cutlass::gemm::TagToStrideC_t<LayoutD>;
   using Impl = regemm::cutlass_sm90::evt::Tree<CtaTileShapeMNK, EpilogueTile, StagesD, SmemLayoutAtom, CopyOpR2S,
-                                               EO, EC, EB, ES>;
-  using Operation = regemm::cutlass_sm90::RegemmFusion<EO, EC, EB, ES>;
+                                               EO, EC, EB, ES, StrideZ>;
+  using Operation = regemm::cutlass_sm90::RegemmFusion<EO, EC, EB, ES, LayoutD>;
 
-  // Flat, named arguments; converted to the tree's nested ones below.
+  // Flat, named arguments; converted to the tree's nested ones below. Biases
+  // are in D's coordinates (for a transposed problem the caller swaps them).
   struct Arguments {
     EC alpha = EC(1);
     EC beta = EC(0);
-    EB const* col_bias = nullptr;  // per-column (col_bias_per_n) or scalar (!col_bias_per_n)
-    bool col_bias_per_n = true;
-    int64_t col_bias_batch_stride = 0;
-    EB const* row_bias = nullptr;  // per-row
-    int64_t row_bias_batch_stride = 0;
-    EO* z = nullptr;               // null: Z not stored
-    int64_t ldz = 0, z_batch_stride = 0;
+    EB const* bias_n = nullptr;  // bias_n[j], j < N
+    int64_t bias_n_batch_stride = 0;
+    EB const* bias_m = nullptr;  // bias_m[i], i < M
+    int64_t bias_m_batch_stride = 0;
+    EB const* bias_s = nullptr;  // bias_s[0]
+    int64_t bias_s_batch_stride = 0;
+    EO* z = nullptr;             // null: Z not stored
+    StrideZ dz = {};
     regemm::cutlass_sm90::ActArgs act = {};
 
     operator typename Impl::Arguments() const {
@@ -157,13 +170,15 @@ struct FusionCallbacks<epilogue::Sm90TmaWarpSpecialized<StagesC, StagesD, Fragme
                   {  // X = alpha * acc + bias
                       {{alpha}, {nullptr}, {{_0{}, _0{}, int64_t(0)}}},  // alpha
                       {},                                                // acc
-                      {  // bias = col + row
-                          {col_bias, EB(0), {_0{}, col_bias_per_n, col_bias_batch_stride}},
-                          {row_bias, EB(0), {_1{}, _0{}, row_bias_batch_stride}},
+                      {  // bias = (n + m) + s
+                          {{bias_n, EB(0), {_0{}, _1{}, bias_n_batch_stride}},
+                           {bias_m, EB(0), {_1{}, _0{}, bias_m_batch_stride}},
+                           {}},
+                          {{EB(0)}, {bias_s}, {{_0{}, _0{}, bias_s_batch_stride}}},
                           {}},
                       {}},
                   {}},
-              {z, {ldz, _1{}, z_batch_stride}}},
+              {z, dz}},
           act};
     }
   };

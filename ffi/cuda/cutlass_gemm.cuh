@@ -6,6 +6,14 @@
 // trans_b, stored [N, K] = CUTLASS column-major (K-major). The batch is
 // CUTLASS's L mode with each operand's own stride.
 //
+// One exception, f32 (TF32) with A K-major and B N-major (plain x @ w): TF32
+// wgmma takes both operands K-major from shared memory, and CUTLASS's builder
+// answers this layout with a swap-A/B register path that computed wrong
+// results on the H100 (device check 2026-11-22: relative error ~1, all three
+// configs). That kernel computes Y^T = B^T A^T instead: A' = B as an N x K
+// column-major matrix, B' = A as a K x M column-major one, D = Y^T column-major
+// (the same bytes as Y row-major), the row and column biases swapped.
+//
 // Included only by the generated instantiation TUs (cutlass_inst.cu.in).
 #pragma once
 
@@ -58,15 +66,24 @@ struct GemmType {
   using T = typename Elem<D>::type;
   static constexpr int kAlign = 16 / int(sizeof(T));  // TMA: 16-byte rows
   using Cfg = ConfigTraits<C, 128 / int(sizeof(T))>;
-  using LayoutA = std::conditional_t<TA, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor>;
-  using LayoutB = std::conditional_t<TB, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor>;
-  using LayoutC = cutlass::layout::RowMajor;
-  using Fusion = RegemmFusion<T, float, T, T>;
+  static constexpr bool kSwap = D == DType::kF32 && !TA && !TB;  // see the header comment
+  using ColMajor = cutlass::layout::ColumnMajor;
+  using RowMajor = cutlass::layout::RowMajor;
+  using LayoutA = std::conditional_t<TA || kSwap, ColMajor, RowMajor>;
+  using LayoutB = std::conditional_t<TB || kSwap, ColMajor, RowMajor>;
+  using LayoutC = std::conditional_t<kSwap, ColMajor, RowMajor>;
+  using Fusion = RegemmFusion<T, float, T, T, LayoutC>;
+
+  // The 128x256 cooperative tile's epilogue works in 128x16 subtiles for
+  // 16-bit outputs (CUTLASS's default: 128x32): C's 4 smem stages and Z's 2
+  // then take 24 KB instead of 48, which leaves the mainloop 4 stages of 48 KB
+  // instead of 3. (f32 stays 3: its subtiles are twice the bytes.)
+  using EpiTile = std::conditional_t<C == Config::kCoop128x256 && sizeof(T) == 2,
+                                     cute::Shape<cute::_128, cute::_16>, cutlass::epilogue::collective::EpilogueTileAuto>;
 
   using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Cfg::Tile, typename Cfg::Cluster,
-      cutlass::epilogue::collective::EpilogueTileAuto, float, float, T, LayoutC, kAlign, T, LayoutC, kAlign,
-      typename Cfg::Epilogue, Fusion>::CollectiveOp;
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Cfg::Tile, typename Cfg::Cluster, EpiTile,
+      float, float, T, LayoutC, kAlign, T, LayoutC, kAlign, typename Cfg::Epilogue, Fusion>::CollectiveOp;
 
   using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, T, LayoutA, kAlign, T, LayoutB, kAlign, float,
@@ -102,28 +119,41 @@ Status run_gemm(const GemmProblem& p, const GemmOperands& o, const Launch& l) {
 
   const int64_t mn = p.m * p.n;
   const bool one = p.batch == 1;
-  auto sa = make_stride3<typename K::StrideA>(p.lda(), one ? 0 : p.stride_a);
-  auto sb = make_stride3<typename K::StrideB>(p.ldb(), one ? 0 : p.stride_b);
+  const bool use_c = p.has_c && p.beta != 0.0;
   // Without C, the C descriptor points at Y (any valid tensor) and beta = 0
   // makes the epilogue skip the load.
-  const bool use_c = p.has_c && p.beta != 0.0;
-  auto sc = make_stride3<typename K::StrideC>(p.n, one ? 0 : (use_c ? p.stride_c : mn));
-  auto sd = make_stride3<typename K::StrideD>(p.n, one ? 0 : mn);
+  const void* c_ptr = use_c ? o.c : o.y;
+  const int64_t c_batch = one ? 0 : (use_c ? p.stride_c : mn);
+  const int64_t d_batch = one ? 0 : mn;
+  // The kernel's problem: (M, N) and operands as given, or transposed (kSwap).
+  const int64_t km = G::kSwap ? p.n : p.m, kn = G::kSwap ? p.m : p.n;
+  const void* ka = G::kSwap ? o.b : o.a;
+  const void* kb = G::kSwap ? o.a : o.b;
+  auto sa = G::kSwap ? make_stride3<typename K::StrideA>(p.ldb(), one ? 0 : p.stride_b)
+                     : make_stride3<typename K::StrideA>(p.lda(), one ? 0 : p.stride_a);
+  auto sb = G::kSwap ? make_stride3<typename K::StrideB>(p.lda(), one ? 0 : p.stride_a)
+                     : make_stride3<typename K::StrideB>(p.ldb(), one ? 0 : p.stride_b);
+  auto sc = make_stride3<typename K::StrideC>(p.n, c_batch);  // Y's row length either way
+  auto sd = make_stride3<typename K::StrideD>(p.n, d_batch);
 
   typename G::CollectiveEpilogue::FusionCallbacks::Arguments fa;
   fa.alpha = float(p.alpha);
   fa.beta = use_c ? float(p.beta) : 0.0f;
   const T* bias = static_cast<const T*>(o.bias);
   const int64_t sbias = one ? 0 : p.stride_bias;
+  // Problem's per-column bias is along D's columns, or its rows when swapped.
+  const bool along_n = (p.bias_kind == BiasKind::kPerCol) != G::kSwap;
   switch (p.bias_kind) {
     case BiasKind::kNone: break;
-    case BiasKind::kPerCol: fa.col_bias = bias; fa.col_bias_per_n = true; fa.col_bias_batch_stride = sbias; break;
-    case BiasKind::kScalar: fa.col_bias = bias; fa.col_bias_per_n = false; fa.col_bias_batch_stride = sbias; break;
-    case BiasKind::kPerRow: fa.row_bias = bias; fa.row_bias_batch_stride = sbias; break;
+    case BiasKind::kScalar: fa.bias_s = bias; fa.bias_s_batch_stride = sbias; break;
+    case BiasKind::kPerCol:
+    case BiasKind::kPerRow:
+      if (along_n) { fa.bias_n = bias; fa.bias_n_batch_stride = sbias; }
+      else { fa.bias_m = bias; fa.bias_m_batch_stride = sbias; }
+      break;
   }
   fa.z = p.store_z ? static_cast<T*>(o.z) : nullptr;
-  fa.ldz = p.n;
-  fa.z_batch_stride = one ? 0 : mn;
+  fa.dz = make_stride3<decltype(fa.dz)>(p.n, d_batch);
   fa.act = ActArgs{int(p.act), float(p.slope)};
 
   cutlass::KernelHardwareInfo hw;
@@ -132,9 +162,9 @@ Status run_gemm(const GemmProblem& p, const GemmOperands& o, const Launch& l) {
 
   typename Gemm::Arguments args{
       cutlass::gemm::GemmUniversalMode::kGemm,
-      {int(p.m), int(p.n), int(p.k), int(p.batch)},
-      {static_cast<const T*>(o.a), sa, static_cast<const T*>(o.b), sb},
-      {fa, static_cast<const T*>(use_c ? o.c : o.y), sc, static_cast<T*>(o.y), sd},
+      {int(km), int(kn), int(p.k), int(p.batch)},
+      {static_cast<const T*>(ka), sa, static_cast<const T*>(kb), sb},
+      {fa, static_cast<const T*>(c_ptr), sc, static_cast<T*>(o.y), sd},
       hw};
 
   Gemm gemm;
