@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from . import _ops
-from ._args import prepare
+from ._args import _array, prepare
 
 
 def gemm_bias_act(
@@ -84,11 +84,21 @@ def gemm_bias_act_bwd(
     `bias` and `c` are needed only for their shapes (gBias / gC are None when
     they are None).
     """
-    shapes = (a.shape, b.shape, None if bias is None else bias.shape, None if c is None else c.shape)
     cfg, a2, b2, bias2, c2 = prepare(
         a, b, bias, c, act=act, leaky_slope=leaky_slope, alpha=alpha, beta=beta, trans_a=trans_a,
         trans_b=trans_b, bias_kind=bias_kind, save="z", precision=precision, return_z=False,
     )  # fmt: skip
+    shapes = (a.shape, b.shape, None if bias is None else bias.shape, None if c is None else c.shape)
+    # gY and Z must be the forward's output: checked here, at trace time, not by the handler.
+    m = a2.shape[-1] if cfg.trans_a else a2.shape[-2]
+    n = b2.shape[-2] if cfg.trans_b else b2.shape[-1]
+    out = jnp.broadcast_shapes(a2.shape[:-2], b2.shape[:-2], *([c2.shape[:-2]] if c2 is not None else [])) + (m, n)
+    for name, x in (("gy", gy), ("z", z)):
+        x = _array(name, x)
+        if x.dtype != a2.dtype:
+            raise TypeError(f"{name} has dtype {x.dtype} but a has {a2.dtype}: mixed dtypes are not supported")
+        if tuple(x.shape) != out:
+            raise ValueError(f"{name} must have the output's shape {out}, got {tuple(x.shape)}")
     grads = _ops.backward(cfg, a2, b2, gy, z, from_y=False)
     return tuple(None if g is None else jnp.reshape(g, s) for g, s in zip(grads, shapes))
 
