@@ -197,7 +197,9 @@ def _fused_batch(args, dims, *, cfg):
         nbat, m = a.shape[0], a.shape[1]
         args2 = [a.reshape(nbat * m, a.shape[2]), b]
         args2 += [bias] if bias is not None else []
-        args2 += [jnp.moveaxis(c, dc, 0).reshape(nbat * m, -1)] if c is not None else []
+        if c is not None:  # [B, M, N] -> [B*M, N] (N spelled out: a -1 is undefined when B*M == 0)
+            c = jnp.moveaxis(c, dc, 0)
+            args2.append(c.reshape(nbat * m, c.shape[-1]))
         if c is not None:  # C's (static) shape is part of the config: it is now [B*M, N]
             cfg = dataclasses.replace(cfg, c_shape=tuple(args2[-1].shape))
         outs = _fused_p.bind(*args2, cfg=cfg)
