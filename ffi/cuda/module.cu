@@ -44,6 +44,8 @@ NB_MODULE(_regemm_cuda, m) {
     names.append("regemm_dact");
     return names;
   });
+  // Kernel calls so far that ran under CUDA-graph capture (a test hook).
+  m.def("captured_calls", [] { return regemm::g_captured_calls.load(); });
   m.def("kernels", [] {
     nb::dict d;
     d["gemm"] = kernel_names<regemm::GemmRegistry<CudaRuntime>>();

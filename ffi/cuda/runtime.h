@@ -15,7 +15,9 @@
 
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstddef>
+#include <cstdint>
 #include <string>
 
 #include "xla/ffi/api/ffi.h"
@@ -40,6 +42,14 @@ inline ffi::Error cuda_error(cudaError_t e, const char* what, const char* file, 
 
 // After every kernel launch: a bad configuration is reported here, not later.
 #define REGEMM_LAUNCH_CHECK() REGEMM_CUDA_CHECK(cudaGetLastError())
+
+// How many kernel calls found their stream being captured into a CUDA graph
+// (and took the scratch-free path): a test hook, exported by the module.
+inline std::atomic<int64_t> g_captured_calls{0};
+
+// XLA's scratch allocator accepts alignments up to 16 bytes only; cuBLAS wants
+// 256 for its workspace. So every scratch request is padded and aligned here.
+constexpr size_t kScratchAlign = 256;
 
 struct CudaRuntime {
   CudaRuntime(cudaStream_t s, ffi::ScratchAllocator& a) : stream(s), scratch(&a) {}
@@ -66,12 +76,14 @@ struct CudaRuntime {
     *out = nullptr;
     bool cap = false;
     if (auto e = capturing(&cap); e.failure()) return e;
+    if (cap) g_captured_calls.fetch_add(1, std::memory_order_relaxed);
     if (cap || bytes == 0) return ffi::Error::Success();
-    auto mem = scratch->Allocate(bytes, 256);
+    auto mem = scratch->Allocate(bytes + kScratchAlign, 16);
     if (!mem.has_value() || *mem == nullptr)
       return ffi::Error(ffi::ErrorCode::kResourceExhausted,
                         "regemm: could not allocate " + std::to_string(bytes) + " bytes of scratch");
-    *out = *mem;
+    const uintptr_t p = reinterpret_cast<uintptr_t>(*mem);
+    *out = reinterpret_cast<void*>((p + kScratchAlign - 1) & ~uintptr_t(kScratchAlign - 1));
     return ffi::Error::Success();
   }
 };
