@@ -168,10 +168,14 @@ def correctness(lib, out):
     # 1. Every kernel (dtype x layout x config), full epilogue, odd sizes (partial tiles).
     for dt, (ta, tb), cfg in itertools.product(DT, itertools.product([0, 1], [0, 1]), CONFIGS):
         os.environ["REGEMM_CUTLASS_CONFIG"] = cfg
-        for m, n, k in [(200, 136, 72), (1000, 520, 264)]:
-            p = problem(dt, m, n, k, ta, tb, act="gelu", bias="per_col", has_c=True, store_z=True, alpha=0.75, beta=0.5)
-            if run(p, f"kernel {dt} ta={ta} tb={tb} {cfg} {m}x{n}x{k}") is None:
-                fails.append(f"unsupported: kernel {dt} ta={ta} tb={tb} {cfg}")
+        # f32 x @ w runs two ways: B transposed into scratch (default), or the Y^T = B^T A^T kernel.
+        for bt_mode in (["transpose", "swap"] if (dt, ta, tb) == ("f32", 0, 0) else ["transpose"]):
+            os.environ["REGEMM_CUTLASS_F32_BT"] = bt_mode
+            for (m, n, k), bias in itertools.product([(200, 136, 72), (1000, 520, 264)], ["per_col", "per_row"]):
+                p = problem(dt, m, n, k, ta, tb, act="gelu", bias=bias, has_c=True, store_z=True, alpha=0.75, beta=0.5)
+                if run(p, f"kernel {dt} ta={ta} tb={tb} {cfg} {bt_mode} {bias} {m}x{n}x{k}") is None:
+                    fails.append(f"unsupported: kernel {dt} ta={ta} tb={tb} {cfg}")
+        os.environ.pop("REGEMM_CUTLASS_F32_BT", None)
     # 2. Every epilogue combination, per dtype, layouts cycling, default config choice.
     os.environ.pop("REGEMM_CUTLASS_CONFIG", None)
     lay = itertools.cycle(itertools.product([0, 1], [0, 1]))
@@ -183,11 +187,13 @@ def correctness(lib, out):
     # 3. Batches: dense, and shared (stride-0) operands, through the loop and (env) straight through TMA.
     for stride0 in ["0", "1"]:
         os.environ["REGEMM_CUTLASS_TMA_STRIDE0"] = stride0
-        for dt, shared in itertools.product(["bf16", "f32"], [(0, 0, 0, 0), (0, 1, 1, 0), (1, 0, 0, 1), (0, 0, 1, 0)]):
-            for bias in ["per_row", "per_col", "scalar"]:
-                p = problem(dt, 136, 200, 96, 1, 0, act="silu", bias=bias, has_c=True, store_z=True, batch=3,
+        for dt, shared, ta in itertools.product(["bf16", "f32"], [(0, 0, 0, 0), (0, 1, 1, 0), (1, 0, 0, 1), (0, 0, 1, 0)], [0, 1]):
+            for bias, bt_mode in itertools.product(["per_row", "per_col", "scalar"], ["transpose", "swap"]):
+                os.environ["REGEMM_CUTLASS_F32_BT"] = bt_mode
+                p = problem(dt, 136, 200, 96, ta, 0, act="silu", bias=bias, has_c=True, store_z=True, batch=3,
                             beta=1.0, shared_a=shared[0], shared_b=shared[1], shared_bias=shared[2], shared_c=shared[3])
-                run(p, f"batch {dt} shared={shared} {bias} tma_stride0={stride0}")
+                run(p, f"batch {dt} ta={ta} shared={shared} {bias} {bt_mode} tma_stride0={stride0}")
+        os.environ.pop("REGEMM_CUTLASS_F32_BT", None)
     os.environ.pop("REGEMM_CUTLASS_TMA_STRIDE0", None)
     # 4. Unsupported layouts are declined, not run: N not a multiple of 8 (bf16).
     p = problem("bf16", 64, 100, 64)
@@ -320,6 +326,15 @@ def timing(lib, out, shapes, dtypes, acts):
                     ms = graph_time_ms(calls)
                     recs.append(dict(base, config=cfg, act=act, bias=bias, store_z=store_z, layout="ff", ms=ms,
                                      tflops=flops / ms / 1e9, ratio=ms / mm))
+                if dt == "f32":  # x @ w through the Y^T = B^T A^T kernel instead of transposing B
+                    os.environ["REGEMM_CUTLASS_F32_BT"] = "swap"
+                    p = problem(dt, m, n, k, act="relu", bias="per_col")
+                    calls = [lambda i=i, p=p: lib.gemm(p, sets[i % 3][0], sets[i % 3][1], sets[i % 3][2], None, y, None)
+                             for i in range(r_per)]
+                    ms = graph_time_ms(calls)
+                    os.environ.pop("REGEMM_CUTLASS_F32_BT")
+                    recs.append(dict(base, config=cfg, act="relu", bias="per_col", store_z=0, layout="swap", ms=ms,
+                                     tflops=flops / ms / 1e9, ratio=ms / mm))
                 if dt == "f32":  # the K-major B layout (x @ w.T): TF32's direct path, for comparison
                     p = problem(dt, m, n, k, tb=1, act="relu", bias="per_col")
                     bt = [s_[1].t().contiguous() for s_ in sets]
@@ -345,8 +360,8 @@ def timing(lib, out, shapes, dtypes, acts):
     with open(os.path.join(out, "cutlass_timing.json"), "w") as f:
         json.dump(recs, f, indent=0)
     # Table: per shape and config, time / cuBLAS matmul (R: the rule's choice, T: the tuner's).
-    print("\n| dtype | M K N | cuBLAS mm ms | config | plain | +bias | relu | gelu | gelu_erf | silu | gelu+Z | ft relu | torch gelu |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("\n| dtype | M K N | cuBLAS mm ms | config | plain | +bias | relu | gelu | gelu_erf | silu | gelu+Z | ft relu | swap relu | torch gelu |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for dt in dtypes:
         for m, k, n in shapes:
             sel = lambda r: r["dtype"] == dt and (r["m"], r["k"], r["n"]) == (m, k, n)
@@ -359,7 +374,7 @@ def timing(lib, out, shapes, dtypes, acts):
                 mark = ("R" if ch["rule"] == cfg else "") + ("T" if ch["tuned"] == cfg else "")
                 print(f"| {dt} | {m} {k} {n} | {rs[0]['torch_matmul_ms']:.4f} | {cfg} {mark} | {get('none', 'none'):.3f} | "
                       f"{get('none'):.3f} | {get('relu'):.3f} | {get('gelu'):.3f} | {get('gelu_erf'):.3f} | {get('silu'):.3f} | "
-                      f"{get('gelu', zz=1):.3f} | {get('relu', lay='ft'):.3f} | "
+                      f"{get('gelu', zz=1):.3f} | {get('relu', lay='ft'):.3f} | {get('relu', lay='swap'):.3f} | "
                       f"{rs[0]['torch_unfused_ms']['gelu'] / rs[0]['torch_matmul_ms']:.3f} |")
     return recs
 

@@ -221,12 +221,40 @@ Config peek_config(const GemmProblem& p, const DeviceInfo& dev) {
   return rule_config(p, dev, p.dtype, p.trans_a, p.trans_b);
 }
 
-Status run(const GemmProblem& p, const GemmOperands& o, const Launch& l, bool scratch_while_capturing) {
-  // Under CUDA-graph capture: no timing, and no configuration that needs a
-  // workspace (scratch memory is not handed out while capturing: runtime.h).
-  cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
-  if (cudaStreamIsCapturing(l.stream, &cs) != cudaSuccess) return {"cudaStreamIsCapturing", cudaGetErrorString(cudaGetLastError())};
-  const bool capturing = cs != cudaStreamCaptureStatusNone;
+namespace {
+
+// B [K, N] -> Bt [N, K] (f32), one 32x32 tile per block through padded shared
+// memory (coalesced reads and writes); blockIdx.z walks the batch.
+__global__ void transpose_f32(const float* __restrict__ b, float* __restrict__ bt, int64_t k, int64_t n,
+                              int64_t stride_b, int64_t stride_bt) {
+  __shared__ float tile[32][33];
+  b += blockIdx.z * stride_b;
+  bt += blockIdx.z * stride_bt;
+  const int64_t r0 = int64_t(blockIdx.y) * 32, c0 = int64_t(blockIdx.x) * 32;
+  for (int i = threadIdx.y; i < 32; i += 8) {
+    const int64_t r = r0 + i, c = c0 + threadIdx.x;
+    if (r < k && c < n) tile[i][threadIdx.x] = b[r * n + c];
+  }
+  __syncthreads();
+  for (int i = threadIdx.y; i < 32; i += 8) {
+    const int64_t r = c0 + i, c = r0 + threadIdx.x;  // row of Bt = column of B
+    if (r < n && c < k) bt[r * k + c] = tile[threadIdx.x][i];
+  }
+}
+
+// f32 x @ w (A K-major, B N-major): TF32 wgmma wants B K-major. With scratch
+// at hand, transposing B costs one pass over it (K*N*8 bytes) and then the
+// direct shared-memory kernel runs; without (graph capture) the kernel for
+// this layout computes Y^T = B^T A^T through CUTLASS's register-A path.
+// REGEMM_CUTLASS_F32_BT=swap forces the latter.
+bool f32_transpose_b(const GemmProblem& p) {
+  if (p.dtype != DType::kF32 || p.trans_a || p.trans_b) return false;
+  const char* v = std::getenv("REGEMM_CUTLASS_F32_BT");
+  return !(v && std::strcmp(v, "swap") == 0) && KernelTable::get().find(DType::kF32, false, true, Config::kCoop128x256);
+}
+
+Status run_config(const GemmProblem& p, const GemmOperands& o, const Launch& l, bool capturing,
+                  bool scratch_while_capturing) {
   Config c = choose_config(p, o, l, capturing);
   if (capturing && !scratch_while_capturing && c == Config::kStreamK128x128) {
     // No workspace: the small problems stream-K wins go to ping-pong (second
@@ -237,6 +265,35 @@ Status run(const GemmProblem& p, const GemmOperands& o, const Launch& l, bool sc
   RunFn fn = KernelTable::get().find(p.dtype, p.trans_a, p.trans_b, c);
   if (!fn) return {"dispatch", "no kernel built for this dtype and layout"};
   return launch(fn, p, o, l);
+}
+
+}  // namespace
+
+Status run(const GemmProblem& p, const GemmOperands& o, const Launch& l, bool scratch_while_capturing) {
+  // Under CUDA-graph capture: no timing, and no configuration that needs a
+  // workspace (scratch memory is not handed out while capturing: runtime.h).
+  cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(l.stream, &cs) != cudaSuccess) return {"cudaStreamIsCapturing", cudaGetErrorString(cudaGetLastError())};
+  const bool capturing = cs != cudaStreamCaptureStatusNone;
+  if ((!capturing || scratch_while_capturing) && f32_transpose_b(p) && l.alloc) {
+    const int64_t nb = p.batch > 1 && p.stride_b != 0 ? p.batch : 1;
+    void* bt = l.alloc(l.alloc_ctx, size_t(p.k * p.n * nb) * sizeof(float));
+    if (bt) {
+      const dim3 grid(unsigned(ceil_div(p.n, 32)), unsigned(ceil_div(p.k, 32)), unsigned(nb));
+      if (grid.y <= 65535 && grid.z <= 65535) {
+        transpose_f32<<<grid, dim3(32, 8), 0, l.stream>>>(static_cast<const float*>(o.b), static_cast<float*>(bt), p.k,
+                                                          p.n, p.stride_b, p.k * p.n);
+        if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return {"transpose launch", cudaGetErrorString(e)};
+        GemmProblem q = p;
+        q.trans_b = true;
+        q.stride_b = nb > 1 ? p.k * p.n : 0;
+        GemmOperands ob = o;
+        ob.b = bt;
+        return run_config(q, ob, l, capturing, scratch_while_capturing);
+      }
+    }
+  }
+  return run_config(p, o, l, capturing, scratch_while_capturing);
 }
 
 }  // namespace regemm::cutlass_sm90
