@@ -112,13 +112,16 @@ Status launch(RunFn fn, const GemmProblem& p, const GemmOperands& o, const Launc
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // Without timing (under graph capture, or REGEMM_CUTLASS_TUNE=0): a rule from
-// the measured winners (benchmarks/NOTES_perf.md, device run 1, bf16 with bias):
+// the measured winners (benchmarks/NOTES_perf.md, device runs 1-2, with bias):
 // - no more 128x128 tiles than SMs (2048x1024 outputs): stream-K, which spreads
-//   K over the idle SMs (1.36x cuBLAS vs 1.68 ping-pong, 2.08 cooperative);
-// - K in [512, 2048] with several waves of 128x128 tiles (8192x1024x4096):
-//   ping-pong, whose epilogue overlaps the other warpgroup's MMAs (1.06 vs 1.27);
-// - otherwise (long K, or very short K where the 128x256 tile halves B's
-//   traffic: 4096x4096x1024, 65536x256x256, 16384x4096x4096): cooperative 128x256.
+//   K over the idle SMs (bf16 1.37x cuBLAS vs 1.73 ping-pong, 2.38 cooperative);
+// - K <= 256 (65536x256x256): the 128x128 cooperative tile, i.e. the stream-K
+//   kernel, which has nothing to split there (1.30 vs 1.52 ping, 1.56 coop);
+// - f32 (TF32): ping-pong otherwise (the 128x256 TF32 tile gets 3 smem stages
+//   of 32 K-elements and trails by 30-45%);
+// - 16-bit, K in [512, 2048] with several waves of 128x128 tiles (8192x1024x4096):
+//   ping-pong, whose epilogue overlaps the other warpgroup's MMAs (1.02 vs 1.33);
+// - otherwise (long K: 4096x4096x1024, 16384x4096x4096): cooperative 128x256.
 Config rule_config(const GemmProblem& p, const DeviceInfo& dev, DType t, bool ta, bool tb) {
   const auto& table = KernelTable::get();
   const int64_t sms = dev.sm_count > 0 ? dev.sm_count : 132;
@@ -127,11 +130,11 @@ Config rule_config(const GemmProblem& p, const DeviceInfo& dev, DType t, bool ta
   const int64_t m = swapped ? p.n : p.m, n = swapped ? p.m : p.n;
   const int64_t t128 = ceil_div(m, 128) * ceil_div(n, 128) * p.batch;
   Config c = Config::kCoop128x256;
-  if (t128 <= sms)
+  if (t128 <= sms || p.k <= 256)
     c = Config::kStreamK128x128;
-  else if (p.k >= 512 && p.k <= 2048 && t128 >= 4 * sms)
+  else if (t == DType::kF32 || (p.k >= 512 && p.k <= 2048 && t128 >= 4 * sms))
     c = Config::kPing128x128;
-  if (!table.find(t, ta, tb, c)) c = Config::kCoop128x256;
+  for (int i = 0; i < kNumConfigs && !table.find(t, ta, tb, c); ++i) c = Config(i);
   return c;
 }
 
@@ -250,7 +253,7 @@ __global__ void transpose_f32(const float* __restrict__ b, float* __restrict__ b
 bool f32_transpose_b(const GemmProblem& p) {
   if (p.dtype != DType::kF32 || p.trans_a || p.trans_b) return false;
   const char* v = std::getenv("REGEMM_CUTLASS_F32_BT");
-  return !(v && std::strcmp(v, "swap") == 0) && KernelTable::get().find(DType::kF32, false, true, Config::kCoop128x256);
+  return !(v && std::strcmp(v, "swap") == 0) && KernelTable::get().find(DType::kF32, false, true, Config::kPing128x128);
 }
 
 Status run_config(const GemmProblem& p, const GemmOperands& o, const Launch& l, bool capturing,
