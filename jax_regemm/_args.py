@@ -53,15 +53,33 @@ def _dtype_ok(name, x):
         raise TypeError(f"{name}: unsupported dtype {x.dtype} (supported: float32, float64, bfloat16, float16)")
 
 
+def _precision(p) -> lax.Precision:
+    if isinstance(p, lax.Precision):
+        return p
+    if isinstance(p, str):
+        try:
+            return lax.Precision(p.lower())  # the names jnp.dot takes: "highest", "float32", "tensorfloat32", ...
+        except ValueError:
+            pass
+    raise ValueError(
+        f"precision must be None, a jax.lax.Precision, one of its names (e.g. 'highest', 'float32', "
+        f"'tensorfloat32', 'default') or a pair of those, got {p!r}"
+    )
+
+
 def exact_f32(precision) -> bool:
-    """True when f32 must be computed in true f32 (no TF32), as jnp.dot decides."""
+    """True when f32 must be computed in true f32 (no TF32), as jnp.dot decides.
+    An invalid precision is a ValueError, as it is for jnp.dot."""
     if precision is None:
         precision = jax.config.jax_default_matmul_precision
+        if precision is None:
+            return False
     if isinstance(precision, (tuple, list)):
-        precision = precision[0]
-    if isinstance(precision, str):
-        return precision.lower() in ("highest", "float32", "fp32")
-    return precision == lax.Precision.HIGHEST
+        if len(precision) != 2:
+            raise ValueError(f"precision: a pair (lhs, rhs) is expected, got {precision!r}")
+        # XLA goes by the higher of the two operand precisions
+        return lax.Precision.HIGHEST in (_precision(precision[0]), _precision(precision[1]))
+    return _precision(precision) == lax.Precision.HIGHEST
 
 
 def infer_bias_kind(bias_shape, m, n, bias_kind: Optional[str]) -> str:
@@ -165,7 +183,7 @@ def prepare(a, b, bias, c, *, act, leaky_slope, alpha, beta, trans_a, trans_b, b
         trans_b=bool(trans_b),
         bias_kind=kind,
         save=save,
-        exact_f32=a.dtype == jnp.float32 and exact_f32(precision),
+        exact_f32=exact_f32(precision) and a.dtype == jnp.float32,  # validates precision for every dtype
         return_z=bool(return_z),
         bias_shape=() if bias is None else tuple(bias.shape),
         c_shape=() if c is None else (1,) * (nb + 2 - c.ndim) + tuple(c.shape),
