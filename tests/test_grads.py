@@ -1,0 +1,392 @@
+"""Gradients (SPEC §1 backward, §4 residual policies, §5): jax.test_util.check_grads
+(rev, x64) for every act x bias kind x save policy, order 2 for a subset;
+alpha/beta/C, transposes and caller batch dims; the bias gradient of every
+bias shape; gemm_bias_act_bwd vs jax.grad of the reference; gradients in
+low-precision dtypes; what each save policy keeps; the split backward (XLA
+drops the GEMMs whose results are unused)."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import (
+    ACTS,
+    BIAS_KINDS,
+    BIAS_VARIANT_LABELS,
+    DTYPES,
+    TRANS,
+    Y_ACTS,
+    assert_rel,
+    bias_shape_of,
+    f64,
+    np_act_grad,
+    np_gemm_bias_act,
+)
+from jax.test_util import check_grads
+
+import jax_regemm as rg
+from jax_regemm import reference as R
+
+M, K, N = 3, 4, 5
+KINKED = ("relu", "leaky_relu")
+_KIND_SHAPE = {"none": None, "scalar": (), "per_row": (M,), "per_col": (N,)}
+
+
+def saves_for(act):
+    return ["z", "recompute", "auto"] + (["y"] if act in Y_ACTS else [])
+
+
+def draw(rand, act, *, kind="per_col", with_c=True, trans=(False, False), alpha=1.0, beta=0.0, batch_a=(),
+         batch_b=(), batch_c=(), m=M, n=N, k=K):  # fmt: skip
+    """f64 operands (A, B, bias, C) with Z at least 0.02 away from the kinks of relu/leaky_relu."""
+    shape = {"none": None, "scalar": (), "per_row": (m,), "per_col": (n,)}[kind]
+    ta, tb = trans
+    for _ in range(200):
+        a, b, bias, c = rand.operands(
+            m, n, k, jnp.float64, trans_a=ta, trans_b=tb, bias_shape=shape, with_c=with_c, batch_a=batch_a,
+            batch_b=batch_b, batch_c=batch_c,
+        )  # fmt: skip
+        if act not in KINKED:
+            return a, b, bias, c
+        _, z = np_gemm_bias_act(a, b, bias, act="none", c=c, alpha=alpha, beta=beta, trans_a=ta, trans_b=tb,
+                                bias_kind=kind)  # fmt: skip
+        if np.min(np.abs(z)) > 0.02:
+            return a, b, bias, c
+    raise AssertionError("no draw with Z off the kink")
+
+
+def args_of(*xs):
+    return tuple(x for x in xs if x is not None)
+
+
+def fn(act, kind, has_c, **kw):
+    """f(a, b, [bias], [c]) -> Y, for check_grads."""
+
+    def f(a, b, *rest):
+        rest = list(rest)
+        bias = rest.pop(0) if kind != "none" else None
+        c = rest.pop(0) if has_c else None
+        return rg.gemm_bias_act(a, b, bias, act=act, c=c, **kw)
+
+    return f
+
+
+# ---------------------------------------------------------------------------
+# check_grads, order 1: every act x bias kind x save policy
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", BIAS_KINDS)
+@pytest.mark.parametrize("act", ACTS)
+def test_check_grads_order1(x64, rand, act, kind):
+    alpha, beta = rand.scalar(), rand.scalar()
+    a, b, bias, c = draw(rand, act, kind=kind, alpha=alpha, beta=beta)
+    for save in saves_for(act):
+        f = fn(act, kind, True, alpha=alpha, beta=beta, save=save, leaky_slope=0.2)
+        check_grads(f, args_of(a, b, bias, c), order=1, modes=["rev"])
+    # and without C (alpha only)
+    f = fn(act, kind, False, alpha=alpha, leaky_slope=0.2)
+    check_grads(f, args_of(a, b, bias), order=1, modes=["rev"])
+
+
+# ---------------------------------------------------------------------------
+# check_grads, order 2 (grad of grad): a representative subset
+# ---------------------------------------------------------------------------
+
+_ORDER2 = [
+    ("gelu", "z", "per_col"),
+    ("gelu", "recompute", "per_row"),
+    ("gelu", "auto", "scalar"),
+    ("gelu_erf", "z", "per_row"),
+    ("silu", "auto", "per_col"),
+    ("silu", "recompute", "none"),
+    ("tanh", "y", "per_row"),
+    ("tanh", "z", "scalar"),
+    ("sigmoid", "y", "per_col"),
+    ("sigmoid", "recompute", "per_row"),
+    ("relu", "y", "per_col"),
+    ("leaky_relu", "z", "per_row"),
+    ("none", "auto", "scalar"),
+    ("none", "recompute", "per_col"),
+]
+
+
+@pytest.mark.parametrize("act,save,kind", _ORDER2)
+def test_check_grads_order2(x64, rand, act, save, kind):
+    a, b, bias, c = draw(rand, act, kind=kind, alpha=0.7, beta=-1.3)
+    f = fn(act, kind, True, alpha=0.7, beta=-1.3, save=save)
+    check_grads(f, args_of(a, b, bias, c), order=2, modes=["rev"])
+
+
+@pytest.mark.parametrize("trans", TRANS, ids=lambda t: f"ta{int(t[0])}tb{int(t[1])}")
+def test_check_grads_order2_transposed_batched(x64, rand, trans):
+    a, b, bias, c = draw(rand, "gelu", kind="per_row", trans=trans, batch_a=(2,))
+    f = fn("gelu", "per_row", True, beta=0.5, trans_a=trans[0], trans_b=trans[1], save="z")
+    check_grads(f, (a, b, bias, c), order=2, modes=["rev"])
+
+
+@pytest.mark.parametrize("act", ["tanh", "none", "relu"])
+def test_check_grads_fwd_stash_both_outputs(x64, rand, act):
+    """Differentiating through both outputs of gemm_bias_act_fwd (Y and Z), orders 1 and 2."""
+    a, b, bias, c = draw(rand, act, kind="per_col")
+
+    def f(a, b, bias, c):
+        y, z = rg.gemm_bias_act_fwd(a, b, bias, act=act, c=c, beta=0.4)
+        return y * jnp.sin(z)
+
+    check_grads(f, (a, b, bias, c), order=2, modes=["rev"])
+    g = jax.grad(lambda *x: jnp.sum(f(*x)), argnums=(0, 1, 2, 3))(a, b, bias, c)
+
+    def fr(a, b, bias, c):
+        y, z = R.gemm_bias_act(a, b, bias, act=act, c=c, beta=0.4, bias_kind="per_col", return_z=True)
+        return y * jnp.sin(z)
+
+    gr = jax.grad(lambda *x: jnp.sum(fr(*x)), argnums=(0, 1, 2, 3))(a, b, bias, c)
+    for x, y in zip(g, gr):
+        assert_rel(x, y, jnp.float64)
+
+
+# ---------------------------------------------------------------------------
+# alpha/beta/C, transposes, caller batch dims
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("trans", TRANS, ids=lambda t: f"ta{int(t[0])}tb{int(t[1])}")
+@pytest.mark.parametrize("act", ["gelu", "leaky_relu", "sigmoid", "none"])
+def test_check_grads_transposes_alpha_beta_c(x64, rand, act, trans):
+    ta, tb = trans
+    alpha, beta = rand.scalar(), rand.scalar()
+    for kind in ("per_row", "per_col", "scalar"):
+        a, b, bias, c = draw(rand, act, kind=kind, trans=trans, alpha=alpha, beta=beta)
+        for save in ("z", "recompute") + (("y",) if act in Y_ACTS else ()):
+            f = fn(act, kind, True, alpha=alpha, beta=beta, trans_a=ta, trans_b=tb, save=save)
+            check_grads(f, (a, b, bias, c), order=1, modes=["rev"])
+
+
+_BATCHES = [((2,), (), ()), ((), (2,), (2,)), ((2, 1), (3,), (1, 3)), ((2,), (2,), ())]
+
+
+@pytest.mark.parametrize("ba,bb,bc", _BATCHES)
+def test_check_grads_caller_batch(x64, rand, ba, bb, bc):
+    """Broadcast batch dims: the gradient of a broadcast operand is summed back to its shape."""
+    for act, kind, trans in (("silu", "per_col", (False, False)), ("tanh", "per_row", (True, True))):
+        a, b, bias, c = draw(rand, act, kind=kind, trans=trans, batch_a=ba, batch_b=bb, batch_c=bc)
+        f = fn(act, kind, True, beta=0.9, trans_a=trans[0], trans_b=trans[1])
+        check_grads(f, (a, b, bias, c), order=1, modes=["rev"])
+        g = jax.grad(lambda *x: jnp.sum(f(*x) ** 2), argnums=(0, 1, 2, 3))(a, b, bias, c)
+        assert [x.shape for x in g] == [a.shape, b.shape, bias.shape, c.shape]
+
+
+# ---------------------------------------------------------------------------
+# the bias gradient, every bias shape
+# ---------------------------------------------------------------------------
+
+
+def _np_bias_grad(gz, kind, shape):
+    if kind == "scalar":
+        return gz.sum().reshape(shape)
+    if kind == "per_row":
+        return gz.sum(axis=-1).reshape(shape)
+    return gz.sum(axis=-2).reshape(shape)
+
+
+@pytest.mark.parametrize("bias", [v for v in BIAS_VARIANT_LABELS if v != "none"])
+@pytest.mark.parametrize("act", ACTS)
+def test_bias_grad_every_kind(x64, rand, act, bias):
+    shape, kind = bias_shape_of(bias, M, N)
+    a, b, bv, c = rand.operands(M, N, K, jnp.float64, bias_shape=shape, with_c=True)
+    w = rand.normal((M, N), jnp.float64)  # a random cotangent
+    want_fn = lambda bv: jnp.sum(w * R.gemm_bias_act(a, b, bv, act=act, c=c, beta=0.6, bias_kind=kind))
+    want = jax.grad(want_fn)(bv)
+    _, z = np_gemm_bias_act(a, b, bv, act=act, c=c, beta=0.6, bias_kind=kind)
+    closed = _np_bias_grad(f64(w) * np_act_grad(act, z), kind, shape)
+    for save in saves_for(act):
+        g = jax.grad(lambda bv: jnp.sum(w * rg.gemm_bias_act(a, b, bv, act=act, c=c, beta=0.6, save=save)))(bv)
+        assert g.shape == bv.shape and g.dtype == bv.dtype
+        assert_rel(g, want, jnp.float64, what=f"vs reference save={save}")
+        assert_rel(g, closed, jnp.float64, what=f"vs closed form save={save}")
+
+
+@pytest.mark.parametrize("dtype", ["f64", "f32"])
+def test_bias_grad_large_many_chunks(x64, rand, dtype):
+    """Shapes large enough that the backward epilogue splits rows into several chunks
+    (per-chunk partial bias sums, combined in order) and the GEMMs into several tiles."""
+    dt = DTYPES[dtype]
+    m, n, k = 700, 200, 48
+    for kind, shape in (("per_col", (n,)), ("per_row", (m, 1)), ("scalar", ())):
+        a, b, bias, c = rand.operands(m, n, k, dt, bias_shape=shape, with_c=True)
+        w = rand.normal((m, n), dt)
+        for save in ("z", "recompute"):
+            loss = lambda *x: jnp.sum(w * rg.gemm_bias_act(x[0], x[1], x[2], act="gelu", c=x[3], beta=0.5, save=save))
+            got = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(a, b, bias, c)
+            up = [x.astype(jnp.float64) for x in (a, b, bias, c)]
+            ref = jax.grad(lambda *x: jnp.sum(w.astype(jnp.float64) * R.gemm_bias_act(
+                x[0], x[1], x[2], act="gelu", c=x[3], beta=0.5, bias_kind=kind)), argnums=(0, 1, 2, 3))(*up)  # fmt: skip
+            for name, g, r in zip("A B bias C".split(), got, ref):
+                assert g.shape == r.shape
+                assert_rel(g, r, dt, what=f"g{name} {kind} save={save}")
+
+
+# ---------------------------------------------------------------------------
+# gemm_bias_act_bwd vs jax.grad of the reference
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", BIAS_KINDS)
+@pytest.mark.parametrize("act", ACTS)
+def test_explicit_bwd_matches_reference(x64, rand, act, kind):
+    for ta, tb in TRANS:
+        for has_c in (True, False):
+            shape = _KIND_SHAPE[kind]
+            a, b, bias, c = rand.operands(M, N, K, jnp.float64, trans_a=ta, trans_b=tb, bias_shape=shape,
+                                          with_c=has_c)  # fmt: skip
+            kw = dict(act=act, alpha=-0.8, beta=1.7, trans_a=ta, trans_b=tb)
+            y, z = rg.gemm_bias_act_fwd(a, b, bias, c=c, **kw)
+            gy = rand.normal(y.shape, jnp.float64)
+            ga, gb, gbias, gc = rg.gemm_bias_act_bwd(a, b, gy, z, bias, c, **kw)
+            ref_kind = "per_col" if kind == "none" else kind
+            _, vjp = jax.vjp(lambda a, b, bias, c: R.gemm_bias_act(a, b, bias, c=c, bias_kind=ref_kind, **kw),
+                             a, b, bias, c)  # fmt: skip
+            ra, rb, rbias, rc = vjp(gy)
+            assert_rel(ga, ra, jnp.float64, what="gA")
+            assert_rel(gb, rb, jnp.float64, what="gB")
+            assert ga.shape == a.shape and gb.shape == b.shape
+            if bias is None:
+                assert gbias is None
+            else:
+                assert gbias.shape == bias.shape
+                assert_rel(gbias, rbias, jnp.float64, what="gBias")
+            if c is None:
+                assert gc is None
+            else:
+                assert gc.shape == c.shape
+                assert_rel(gc, rc, jnp.float64, what="gC")
+                np.testing.assert_allclose(f64(gc), 1.7 * f64(gy) * np_act_grad(act, f64(z)), rtol=1e-12, atol=1e-15)
+
+
+def test_explicit_bwd_batched_under_jit(x64, rand):
+    a, b, bias, c = rand.operands(M, N, K, jnp.float64, bias_shape=(1, N), with_c=True, batch_a=(2,), batch_c=(2,))
+    kw = dict(act="gelu", beta=0.3)
+    y, z = rg.gemm_bias_act_fwd(a, b, bias, c=c, **kw)
+    gy = rand.normal(y.shape, jnp.float64)
+    got = jax.jit(lambda *x: rg.gemm_bias_act_bwd(*x, **kw))(a, b, gy, z, bias, c)
+    _, vjp = jax.vjp(lambda a, b, bias, c: R.gemm_bias_act(a, b, bias, c=c, bias_kind="per_col", **kw), a, b, bias, c)
+    for g, r in zip(got, vjp(gy)):
+        assert g.shape == r.shape
+        assert_rel(g, r, jnp.float64)
+
+
+# ---------------------------------------------------------------------------
+# gradients in the working dtypes, vs float64
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16", "f16"])
+@pytest.mark.parametrize("act", ACTS)
+def test_grads_low_precision_vs_f64(x64, rand, act, dtype):
+    """Gradients of every input in f32/bf16/f16 vs the float64 gradient of the same
+    (rounded) inputs, within SPEC §5's tolerance of the dtype."""
+    dt = DTYPES[dtype]
+    m, n, k = 12, 10, 24
+    a, b, bias, c = draw(rand, act, kind="per_col", m=m, n=n, k=k)
+    a, b, bias, c = (x.astype(dt) for x in (a, b, bias, c))
+    w = rand.normal((m, n), dt)
+    wrt = (0, 1, 2, 3)
+    for save in saves_for(act):
+        loss = lambda a, b, bias, c: jnp.sum(w * rg.gemm_bias_act(a, b, bias, act=act, c=c, beta=0.5, save=save))
+        got = jax.grad(loss, argnums=wrt)(a, b, bias, c)
+        up = [x.astype(jnp.float64) for x in (a, b, bias, c)]
+        ref = jax.grad(
+            lambda a, b, bias, c: jnp.sum(
+                w.astype(jnp.float64) * R.gemm_bias_act(a, b, bias, act=act, c=c, beta=0.5, bias_kind="per_col")
+            ),
+            argnums=wrt,
+        )(*up)
+        for name, g, r in zip("A B bias C".split(), got, ref):
+            assert g.dtype == dt
+            assert_rel(g, r, dt, what=f"g{name} save={save}")
+
+
+# ---------------------------------------------------------------------------
+# residual policies (SPEC §4) and the split backward (SPEC §6)
+# ---------------------------------------------------------------------------
+
+
+def _calls(text, target):
+    """The custom calls to `target` in lowered (StableHLO) or compiled (HLO) text."""
+    return [ln for ln in text.splitlines() if re.search(rf'(@|custom_call_target="){target}\b', ln)]
+
+
+def _fwd_gemm_calls(text):
+    return [ln for ln in _calls(text, "regemm_gemm") if 'act = "none"' not in ln]
+
+
+@pytest.mark.parametrize(
+    "act,save,stores_z,from_y,gemms",
+    [
+        ("relu", "y", False, True, 3),
+        ("relu", "auto", False, True, 3),
+        ("relu", "z", True, False, 3),
+        ("relu", "recompute", False, False, 4),
+        ("gelu", "auto", True, False, 3),
+        ("gelu", "z", True, False, 3),
+        ("gelu", "recompute", False, False, 4),
+        ("tanh", "y", False, True, 3),
+        ("sigmoid", "auto", False, True, 3),
+    ],
+)
+def test_save_policy_residuals(rand, act, save, stores_z, from_y, gemms):
+    """What the forward keeps: "z" stores Z, "y" stores nothing beyond Y and takes act' from
+    Y, "recompute" stores nothing and runs one more GEMM; "auto" is "y" where valid."""
+    a, b, bias, _ = rand.operands(M, N, K, jnp.float32, bias_shape=(N,))
+    loss = lambda a, b, bias: jnp.sum(rg.gemm_bias_act(a, b, bias, act=act, save=save) ** 2)  # Y itself is used
+    text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(a, b, bias).as_text()
+    fwd = _fwd_gemm_calls(text)
+    assert len(fwd) == 1, fwd
+    assert ("store_z = true" in fwd[0]) == stores_z
+    dact = _calls(text, "regemm_dact")
+    assert len(dact) == 1 and (f"from_y = {str(from_y).lower()}" in dact[0])
+    assert len(_calls(text, "regemm_gemm")) == gemms
+    # and the forward alone (no grad) never stores Z
+    text = jax.jit(lambda a, b, bias: rg.gemm_bias_act(a, b, bias, act=act, save=save)).lower(a, b, bias).as_text()
+    assert "store_z = false" in _calls(text, "regemm_gemm")[0]
+
+
+def _compiled_gemms(f, argnums, *args):
+    text = jax.jit(jax.grad(f, argnums=argnums)).lower(*args).compile().as_text()
+    return len(_calls(text, "regemm_gemm")), len(_calls(text, "regemm_dact"))
+
+
+@pytest.mark.parametrize("save", ["z", "y", "recompute"])
+@pytest.mark.parametrize("trans", TRANS, ids=lambda t: f"ta{int(t[0])}tb{int(t[1])}")
+def test_backward_split_drops_unused(rand, trans, save):
+    """The backward is separate custom calls: grad w.r.t. B alone compiles to no dgrad GEMM,
+    grad w.r.t. A alone to no wgrad GEMM, grad w.r.t. the bias alone to no GEMM at all."""
+    ta, tb = trans
+    act = "relu" if save == "y" else "gelu"
+    a, b, bias, c = rand.operands(M, N, K, jnp.float32, trans_a=ta, trans_b=tb, bias_shape=(M,), with_c=True)
+    f = lambda a, b, bias, c: jnp.sum(rg.gemm_bias_act(a, b, bias, act=act, c=c, beta=0.5, trans_a=ta, trans_b=tb,
+                                                       save=save) ** 2)  # fmt: skip
+    extra = 1 if save == "recompute" else 0  # Z recomputed: one more GEMM
+    assert _compiled_gemms(f, (0, 1), a, b, bias, c) == (3 + extra, 1)
+    assert _compiled_gemms(f, 1, a, b, bias, c) == (2 + extra, 1)
+    assert _compiled_gemms(f, 0, a, b, bias, c) == (2 + extra, 1)
+    assert _compiled_gemms(f, 2, a, b, bias, c) == (1 + extra, 1)
+    assert _compiled_gemms(f, 3, a, b, bias, c) == (1 + extra, 1)
+    # and the gradients are right
+    got = jax.grad(f, argnums=(0, 1, 2, 3))(a, b, bias, c)
+    fr = lambda a, b, bias, c: jnp.sum(R.gemm_bias_act(a, b, bias, act=act, c=c, beta=0.5, trans_a=ta, trans_b=tb,
+                                                       bias_kind="per_row") ** 2)  # fmt: skip
+    for g, r in zip(got, jax.grad(fr, argnums=(0, 1, 2, 3))(a, b, bias, c)):
+        assert_rel(g, r, jnp.float32)
+
+
+def test_backward_act_none_has_no_elementwise_pass(rand):
+    """act none: act' = 1, so the backward is the two GEMMs (and a bias sum), no dact call."""
+    a, b, bias, _ = rand.operands(M, N, K, jnp.float32, bias_shape=(N,))
+    f = lambda a, b, bias: jnp.sum(jnp.cos(rg.gemm_bias_act(a, b, bias, act="none")))
+    assert _compiled_gemms(f, (0, 1, 2), a, b, bias) == (3, 0)
