@@ -3,7 +3,8 @@
 // buffers) without XLA: correctness of every epilogue combination and
 // per-configuration timing, independent of the FFI module.
 //
-//   nvcc -shared -Xcompiler -fPIC tests/cutlass_capi.cu ffi/cuda/cutlass_dispatch.cu <kernel objects> -o lib.so
+//   nvcc -shared -Xcompiler -fPIC tests/cutlass_capi.cu ffi/cuda/cutlass_dispatch.cu ffi/cuda/cutlass_act_pass.cu \
+//     <kernel objects> -o lib.so
 #include <cuda_runtime.h>
 
 #include <cstdio>
@@ -73,11 +74,16 @@ int regemm_cutlass_gemm(const long long* d, const double* f, void* const* ptrs, 
   return 2;
 }
 
-// Name of the configuration run() would pick now (forced, tuned or rule).
+// Name of the configuration run() would pick now (forced, tuned or rule),
+// with "+split" when the activation runs as a pass of its own.
 const char* regemm_cutlass_config(const long long* d, const double* f) {
+  static char name[64];
   const DeviceInfo* dev = sm90_device();
   if (!dev) return "none";
-  return kConfigNames[int(peek_config(make_problem(d, f), *dev))];
+  bool split = false;
+  const Config c = peek_config(make_problem(d, f), *dev, &split);
+  std::snprintf(name, sizeof name, "%s%s", kConfigNames[int(c)], split ? "+split" : "");
+  return name;
 }
 
 }  // extern "C"

@@ -184,6 +184,15 @@ def correctness(lib, out):
         p = problem(dt, 264, 392, 136, ta, tb, act=act, bias=bias, has_c=has_c, store_z=store_z, slope=0.2,
                     alpha=1.25, beta=-0.5 if has_c else 0.0)
         run(p, f"epilogue {dt} {act} {bias} C={has_c} Z={store_z} ta={ta} tb={tb}")
+    # 2b. The costly activations as a separate pass (REGEMM_CUTLASS_SPLIT=1), every dtype, Z stored or not.
+    os.environ["REGEMM_CUTLASS_SPLIT"] = "1"
+    for dt, act, store_z, (ta, tb) in itertools.product(DT, ["gelu", "gelu_erf", "silu", "sigmoid", "tanh"], [0, 1],
+                                                         [(0, 0), (1, 1)]):
+        p = problem(dt, 264, 392, 136, ta, tb, act=act, bias="per_col", has_c=1, store_z=store_z, beta=0.5)
+        run(p, f"split {dt} {act} Z={store_z} ta={ta} tb={tb}")
+    p = problem("bf16", 100, 104, 64, act="gelu", batch=3)  # a count that is no multiple of the vector width
+    run(p, "split bf16 gelu 3x100x104")
+    os.environ.pop("REGEMM_CUTLASS_SPLIT")
     # 3. Batches: dense, and shared (stride-0) operands, through the loop and (env) straight through TMA.
     for stride0 in ["0", "1"]:
         os.environ["REGEMM_CUTLASS_TMA_STRIDE0"] = stride0
@@ -318,14 +327,17 @@ def timing(lib, out, shapes, dtypes, acts):
             base = dict(dtype=dt, m=m, k=k, n=n, torch_matmul_ms=mm, torch_unfused_ms=tf)
             for cfg in CONFIGS:
                 os.environ["REGEMM_CUTLASS_CONFIG"] = cfg
-                for act, bias, store_z in ([("none", "none", 0), ("none", "per_col", 0)] + [(a, "per_col", 0) for a in acts]
-                                           + [("gelu", "per_col", 1)]):
+                for act, bias, store_z, split in ([("none", "none", 0, 0), ("none", "per_col", 0, 0)]
+                                                  + [(a, "per_col", 0, 0) for a in acts]
+                                                  + [("gelu", "per_col", 1, 0), ("gelu", "per_col", 0, 1), ("gelu_erf", "per_col", 0, 1)]):
+                    os.environ["REGEMM_CUTLASS_SPLIT"] = str(split)
                     p = problem(dt, m, n, k, act=act, bias=bias, store_z=store_z)
                     calls = [lambda i=i, p=p: lib.gemm(p, sets[i % 3][0], sets[i % 3][1], sets[i % 3][2] if bias != "none" else None,
                                                         None, y, z if store_z else None) for i in range(r_per)]
                     ms = graph_time_ms(calls)
-                    recs.append(dict(base, config=cfg, act=act, bias=bias, store_z=store_z, layout="ff", ms=ms,
-                                     tflops=flops / ms / 1e9, ratio=ms / mm))
+                    recs.append(dict(base, config=cfg, act=act, bias=bias, store_z=store_z, layout="split" if split else "ff",
+                                     ms=ms, tflops=flops / ms / 1e9, ratio=ms / mm))
+                os.environ.pop("REGEMM_CUTLASS_SPLIT", None)
                 if dt == "f32":  # x @ w through the Y^T = B^T A^T kernel instead of transposing B
                     os.environ["REGEMM_CUTLASS_F32_BT"] = "swap"
                     p = problem(dt, m, n, k, act="relu", bias="per_col")
@@ -360,8 +372,8 @@ def timing(lib, out, shapes, dtypes, acts):
     with open(os.path.join(out, "cutlass_timing.json"), "w") as f:
         json.dump(recs, f, indent=0)
     # Table: per shape and config, time / cuBLAS matmul (R: the rule's choice, T: the tuner's).
-    print("\n| dtype | M K N | cuBLAS mm ms | config | plain | +bias | relu | gelu | gelu_erf | silu | gelu+Z | ft relu | swap relu | torch gelu |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("\n| dtype | M K N | cuBLAS mm ms | config | plain | +bias | relu | gelu | gelu_erf | silu | gelu+Z | gelu split | erf split | ft relu | swap relu | torch gelu |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for dt in dtypes:
         for m, k, n in shapes:
             sel = lambda r: r["dtype"] == dt and (r["m"], r["k"], r["n"]) == (m, k, n)
@@ -371,10 +383,12 @@ def timing(lib, out, shapes, dtypes, acts):
                 def get(a, b="per_col", zz=0, lay="ff"):
                     return next((r["ratio"] for r in rs if r["config"] == cfg and r["act"] == a and r["bias"] == b
                                  and r["store_z"] == zz and r["layout"] == lay), float("nan"))
-                mark = ("R" if ch["rule"] == cfg else "") + ("T" if ch["tuned"] == cfg else "")
+                mark = ("R" if ch["rule"].split("+")[0] == cfg else "") + ("T" + ("s" if "+split" in ch["tuned"] else "")
+                                                                             if ch["tuned"].split("+")[0] == cfg else "")
                 print(f"| {dt} | {m} {k} {n} | {rs[0]['torch_matmul_ms']:.4f} | {cfg} {mark} | {get('none', 'none'):.3f} | "
                       f"{get('none'):.3f} | {get('relu'):.3f} | {get('gelu'):.3f} | {get('gelu_erf'):.3f} | {get('silu'):.3f} | "
-                      f"{get('gelu', zz=1):.3f} | {get('relu', lay='ft'):.3f} | {get('relu', lay='swap'):.3f} | "
+                      f"{get('gelu', zz=1):.3f} | {get('gelu', lay='split'):.3f} | {get('gelu_erf', lay='split'):.3f} | "
+                      f"{get('relu', lay='ft'):.3f} | {get('relu', lay='swap'):.3f} | "
                       f"{rs[0]['torch_unfused_ms']['gelu'] / rs[0]['torch_matmul_ms']:.3f} |")
     return recs
 

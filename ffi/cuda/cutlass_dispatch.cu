@@ -146,15 +146,34 @@ bool forced_config(Config* c) {
   return false;
 }
 
-// Everything the winner can depend on except the activation (the epilogue's
-// arithmetic is the same for every config).
-using TuneKey = std::tuple<int, bool, bool, int64_t, int64_t, int64_t, int64_t, bool, bool, int>;
+// How a problem runs: a tile configuration, and whether a costly activation
+// is fused or a pass of its own after the GEMM (cutlass_act_pass.cu).
+struct Choice {
+  Config config;
+  bool split;
+};
+
+bool costly_act(Act a) {
+  return a == Act::kGelu || a == Act::kGeluErf || a == Act::kSilu || a == Act::kSigmoid || a == Act::kTanh;
+}
+
+// -1 when unset, else 0/1.
+int forced_split() {
+  const char* v = std::getenv("REGEMM_CUTLASS_SPLIT");
+  if (!v || !*v) return -1;
+  return env_off("REGEMM_CUTLASS_SPLIT") ? 0 : 1;
+}
+
+// Everything the winner can depend on: the activation only as "which costly
+// one" (the cheap ones all run fused and cost the same).
+using TuneKey = std::tuple<int, bool, bool, int64_t, int64_t, int64_t, int64_t, bool, bool, int, int>;
 std::mutex g_tune_mu;
-std::map<TuneKey, Config> g_tuned;
+std::map<TuneKey, Choice> g_tuned;
 
 TuneKey tune_key(const GemmProblem& p) {
   const bool use_c = p.has_c && p.beta != 0.0;
-  return {int(p.dtype), p.trans_a, p.trans_b, p.m, p.n, p.k, p.batch, use_c, p.store_z, int(p.bias_kind)};
+  return {int(p.dtype), p.trans_a, p.trans_b, p.m, p.n, p.k, p.batch, use_c, p.store_z, int(p.bias_kind),
+          costly_act(p.act) ? int(p.act) : -1};
 }
 
 bool overlaps(const void* a, const void* b, int64_t bytes) {
@@ -163,9 +182,23 @@ bool overlaps(const void* a, const void* b, int64_t bytes) {
   return x < y + bytes && y < x + bytes;
 }
 
-// Times every built config on the call's stream; returns false (no opinion)
-// when timing is not possible right now.
-bool tune(const GemmProblem& p, const GemmOperands& o, const Launch& l, Config* best) {
+// One run of the GEMM with a choice: fused, or act none into Z's place (Y's
+// when Z is not stored) and then Y = act(that).
+Status execute(RunFn fn, Choice ch, const GemmProblem& p, const GemmOperands& o, const Launch& l) {
+  if (!ch.split || !costly_act(p.act)) return launch(fn, p, o, l);
+  GemmProblem q = p;
+  q.act = Act::kNone;
+  q.store_z = false;
+  GemmOperands oq = o;
+  oq.y = p.store_z ? o.z : o.y;
+  oq.z = nullptr;
+  if (Status st = launch(fn, q, oq, l); !st.ok()) return st;
+  return act_pass(p.dtype, oq.y, o.y, p.batch * p.m * p.n, p.act, float(p.slope), l.stream, l.dev.sm_count);
+}
+
+// Times every built config (and, for a costly activation, fused vs split) on
+// the call's stream; returns false (no opinion) when timing is not possible.
+bool tune(const GemmProblem& p, const GemmOperands& o, const Launch& l, Choice* best) {
   const int64_t bytes = p.m * p.n * p.batch * dtype_bytes(p.dtype);
   if (p.has_c && (overlaps(o.c, o.y, bytes) || overlaps(o.c, o.z, bytes))) return false;
 
@@ -175,53 +208,66 @@ bool tune(const GemmProblem& p, const GemmOperands& o, const Launch& l, Config* 
   // Repeats: enough work per candidate to see past launch noise (~1 ms or 3 runs).
   const double flops = 2.0 * double(p.m) * double(p.n) * double(p.k) * double(p.batch);
   const int reps = flops > 4e11 ? 3 : flops > 4e10 ? 5 : 10;
+  const int fs = forced_split();
   float best_ms = 0;
   bool found = false;
   for (int c = 0; c < kNumConfigs; ++c) {
     RunFn fn = KernelTable::get().find(p.dtype, p.trans_a, p.trans_b, Config(c));
     if (!fn) continue;
-    if (!launch(fn, p, o, l).ok()) continue;  // warm-up (and: can it run at all?)
-    cudaEventRecord(ev[0], l.stream);
-    bool ok = true;
-    for (int r = 0; r < reps && ok; ++r) ok = launch(fn, p, o, l).ok();
-    cudaEventRecord(ev[1], l.stream);
-    float ms = 0;
-    if (!ok || cudaEventSynchronize(ev[1]) != cudaSuccess || cudaEventElapsedTime(&ms, ev[0], ev[1]) != cudaSuccess) {
-      cudaGetLastError();
-      continue;
+    for (int split = 0; split < (costly_act(p.act) ? 2 : 1); ++split) {
+      if (fs >= 0 && split != fs) continue;
+      const Choice ch{Config(c), split == 1};
+      if (!execute(fn, ch, p, o, l).ok()) continue;  // warm-up (and: can it run at all?)
+      cudaEventRecord(ev[0], l.stream);
+      bool ok = true;
+      for (int r = 0; r < reps && ok; ++r) ok = execute(fn, ch, p, o, l).ok();
+      cudaEventRecord(ev[1], l.stream);
+      float ms = 0;
+      if (!ok || cudaEventSynchronize(ev[1]) != cudaSuccess || cudaEventElapsedTime(&ms, ev[0], ev[1]) != cudaSuccess) {
+        cudaGetLastError();
+        continue;
+      }
+      if (!found || ms < best_ms) { best_ms = ms; *best = ch; found = true; }
     }
-    if (!found || ms < best_ms) { best_ms = ms; *best = Config(c); found = true; }
   }
   cudaEventDestroy(ev[0]);
   cudaEventDestroy(ev[1]);
   return found;
 }
 
-Config choose_config(const GemmProblem& p, const GemmOperands& o, const Launch& l, bool capturing) {
+Choice rule_choice(const GemmProblem& p, const DeviceInfo& dev) {
+  const int fs = forced_split();
+  return {rule_config(p, dev, p.dtype, p.trans_a, p.trans_b), fs == 1};
+}
+
+Choice choose(const GemmProblem& p, const GemmOperands& o, const Launch& l, bool capturing) {
   Config c;
-  if (forced_config(&c) && KernelTable::get().find(p.dtype, p.trans_a, p.trans_b, c)) return c;
+  if (forced_config(&c) && KernelTable::get().find(p.dtype, p.trans_a, p.trans_b, c)) return {c, forced_split() == 1};
   const TuneKey key = tune_key(p);
   {
     std::lock_guard<std::mutex> lock(g_tune_mu);
     if (auto it = g_tuned.find(key); it != g_tuned.end()) return it->second;
   }
-  if (capturing || env_off("REGEMM_CUTLASS_TUNE") || !tune(p, o, l, &c))
-    return rule_config(p, l.dev, p.dtype, p.trans_a, p.trans_b);
+  Choice ch;
+  if (capturing || env_off("REGEMM_CUTLASS_TUNE") || !tune(p, o, l, &ch)) return rule_choice(p, l.dev);
   std::lock_guard<std::mutex> lock(g_tune_mu);
-  g_tuned.emplace(key, c);
-  return c;
+  g_tuned.emplace(key, ch);
+  return ch;
 }
 
 }  // namespace
 
-Config peek_config(const GemmProblem& p, const DeviceInfo& dev) {
+Config peek_config(const GemmProblem& p, const DeviceInfo& dev, bool* split) {
+  Choice ch = rule_choice(p, dev);
   Config c;
-  if (forced_config(&c) && KernelTable::get().find(p.dtype, p.trans_a, p.trans_b, c)) return c;
-  {
+  if (forced_config(&c) && KernelTable::get().find(p.dtype, p.trans_a, p.trans_b, c)) {
+    ch = {c, forced_split() == 1};
+  } else {
     std::lock_guard<std::mutex> lock(g_tune_mu);
-    if (auto it = g_tuned.find(tune_key(p)); it != g_tuned.end()) return it->second;
+    if (auto it = g_tuned.find(tune_key(p)); it != g_tuned.end()) ch = it->second;
   }
-  return rule_config(p, dev, p.dtype, p.trans_a, p.trans_b);
+  if (split) *split = ch.split && costly_act(p.act);
+  return ch.config;
 }
 
 namespace {
@@ -258,16 +304,16 @@ bool f32_transpose_b(const GemmProblem& p) {
 
 Status run_config(const GemmProblem& p, const GemmOperands& o, const Launch& l, bool capturing,
                   bool scratch_while_capturing) {
-  Config c = choose_config(p, o, l, capturing);
-  if (capturing && !scratch_while_capturing && c == Config::kStreamK128x128) {
+  Choice ch = choose(p, o, l, capturing);
+  if (capturing && !scratch_while_capturing && ch.config == Config::kStreamK128x128) {
     // No workspace: the small problems stream-K wins go to ping-pong (second
     // best there in run 1), the rest to cooperative.
     const int64_t t128 = ceil_div(p.m, 128) * ceil_div(p.n, 128) * p.batch;
-    c = t128 <= (l.dev.sm_count > 0 ? l.dev.sm_count : 132) ? Config::kPing128x128 : Config::kCoop128x256;
+    ch.config = t128 <= (l.dev.sm_count > 0 ? l.dev.sm_count : 132) ? Config::kPing128x128 : Config::kCoop128x256;
   }
-  RunFn fn = KernelTable::get().find(p.dtype, p.trans_a, p.trans_b, c);
+  RunFn fn = KernelTable::get().find(p.dtype, p.trans_a, p.trans_b, ch.config);
   if (!fn) return {"dispatch", "no kernel built for this dtype and layout"};
-  return launch(fn, p, o, l);
+  return execute(fn, ch, p, o, l);
 }
 
 }  // namespace

@@ -8,7 +8,10 @@
 //     sight of a problem signature it times every built configuration with CUDA
 //     events on the call's stream and caches the winner for the process. It
 //     never times inside a CUDA-graph capture, nor when C overlaps Y or Z (a
-//     candidate's run would overwrite the next one's input);
+//     candidate's run would overwrite the next one's input). For the costly
+//     activations (gelu, gelu_erf, silu, sigmoid, tanh) each configuration is
+//     also timed with the activation as a separate pass over Y (REGEMM_CUTLASS_SPLIT=0/1
+//     forces fused/split);
 //   otherwise a rule on the tile count (rule_config in cutlass_dispatch.cu).
 #pragma once
 
@@ -34,7 +37,14 @@ bool can_launch(const GemmProblem& p, const GemmOperands& o);
 Status run(const GemmProblem& p, const GemmOperands& o, const Launch& l, bool scratch_while_capturing = false);
 
 // The configuration run() would use now for p (forced, cached tuning result,
-// or the rule), without tuning. For tests and benchmarks.
-Config peek_config(const GemmProblem& p, const DeviceInfo& dev);
+// or the rule), without tuning, and whether the activation runs as a separate
+// pass (*split). For tests and benchmarks.
+Config peek_config(const GemmProblem& p, const DeviceInfo& dev, bool* split = nullptr);
+
+// dst = act(src) over `count` dense elements of type t (16-byte aligned
+// buffers; src == dst allowed): the activation as a pass of its own
+// (cutlass_act_pass.cu).
+Status act_pass(DType t, const void* src, void* dst, int64_t count, Act act, float slope, cudaStream_t stream,
+                int sms);
 
 }  // namespace regemm::cutlass_sm90
