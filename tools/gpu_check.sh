@@ -67,14 +67,14 @@ fi
 
 # --- 2. the test suite -------------------------------------------------------------
 # -P: import the installed package, not the source tree in the current directory.
-# Everything but the >2^31-element test runs in 4 processes (pytest-xdist, GPU
+# Everything but the >2^31-element test runs in 8 processes (pytest-xdist, GPU
 # memory on demand); that test then runs alone with 60% of the GPU's memory.
 test_rc=1
 big_rc=1
 BIG=test_past_2_31_elements
 if [ $build_rc -eq 0 ]; then
   par=""
-  "$PY" -c "import xdist" 2>/dev/null && par="-n 4"
+  "$PY" -c "import xdist" 2>/dev/null && par="-n 8"
   XLA_PYTHON_CLIENT_PREALLOCATE=false timeout $left "$PY" -P -m pytest -q -p no:cacheprovider -rfE \
     --durations=15 $par -k "not $BIG" tests >"$OUT/pytest.log" 2>&1
   test_rc=$?
