@@ -326,13 +326,14 @@ def test_dact_handler_errors_are_errors():
 _ZERO = [(0, 5, 4), (3, 0, 4), (3, 5, 0), (0, 0, 0), (0, 5, 0), (1, 1, 0)]
 
 
-@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("dtype", ["f32", "f64", "f16"])
 @pytest.mark.parametrize("m,n,k", _ZERO)
 def test_zero_sized_forward(x64, rand, m, n, k, dtype):
     """M, N or K = 0; K = 0 gives Y = act(beta C + bias) (SPEC §7)."""
     dt = DTYPES[dtype]
-    for kind, shape in (("per_col", (n,)), ("per_row", (m, 1)), ("scalar", ()), ("none", None)):
-        for ta, tb in ((False, False), (True, True)):
+    both = ((False, False), (True, True))
+    for i, (kind, shape) in enumerate((("per_col", (n,)), ("per_row", (m, 1)), ("scalar", ()), ("none", None))):
+        for ta, tb in both if dtype == "f32" else both[i % 2 : i % 2 + 1]:  # other dtypes: alternate
             a, b, bias, c = rand.operands(m, n, k, dt, trans_a=ta, trans_b=tb, bias_shape=shape, with_c=True)
             kw = dict(act="gelu", c=c, alpha=1.5, beta=-0.7, trans_a=ta, trans_b=tb,
                       bias_kind=kind if kind != "none" else None)  # fmt: skip

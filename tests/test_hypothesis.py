@@ -65,7 +65,7 @@ def test_random_forward_vs_float64(p):
         assert_rel(z, want_z, dt, what=f"Z {p}")
 
 
-@settings(max_examples=100, deadline=None, print_blob=True, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=60, deadline=None, print_blob=True, suppress_health_check=[HealthCheck.too_slow])
 @given(p=problems(dtypes=("f64",)), save=st.sampled_from(["z", "y", "recompute", "auto"]))
 def test_random_grads_vs_reference(p, save):
     if save == "y" and p["act"] not in Y_ACTS:

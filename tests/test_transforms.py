@@ -99,8 +99,12 @@ def test_vmap(x64, rand, axes, kind):
         assert_rel(got[i], want, DT, what=f"entry {i}")
 
 
-@pytest.mark.parametrize("trans", TRANS, ids=lambda t: f"ta{int(t[0])}tb{int(t[1])}")
-@pytest.mark.parametrize("axes", [(0, None, None, None), (None, 0, None, None), (0, 0, 0, 0), (1, None, None, 2)], ids=str)
+_VG_CASES = [((0, None, None, None), t) for t in TRANS] + [
+    (ax, t) for ax in [(None, 0, None, None), (0, 0, 0, 0), (1, None, None, 2)] for t in (TRANS[0], TRANS[3])
+]
+
+
+@pytest.mark.parametrize("axes,trans", _VG_CASES, ids=lambda v: str(v).replace(" ", ""))
 def test_vmap_grad_and_grad_vmap(x64, rand, axes, trans):
     """Per-example gradients (vmap∘grad), the gradient of a batched loss (grad∘vmap),
     and jit∘vmap∘grad, each vs the reference under the same transforms."""
@@ -337,3 +341,56 @@ def test_jacrev(x64, rand):
     f = lambda a, b: rg.gemm_bias_act(a, b, bias, act="gelu")
     r = lambda a, b: R.gemm_bias_act(a, b, bias, act="gelu")
     close(jax.jacrev(f, argnums=(0, 1))(a, b), jax.jacrev(r, argnums=(0, 1))(a, b), "jacrev")
+
+
+# ---------------------------------------------------------------------------
+# sharding (SPEC §1): 4 host devices, in a subprocess (the device count is fixed at start-up)
+# ---------------------------------------------------------------------------
+
+_SHARDING_SCRIPT = r"""
+import json, os
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
+os.environ["JAX_PLATFORMS"] = "cpu"
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+import jax_regemm as rg
+from jax_regemm import reference as R
+
+mesh = jax.make_mesh((4,), ("data",))
+rng = np.random.default_rng(int(os.environ["SEED"]))
+x = jnp.asarray(rng.standard_normal((16, 8)), jnp.float32)
+w = jnp.asarray(rng.standard_normal((8, 6)) / 3, jnp.float32)
+b = jnp.asarray(rng.standard_normal((6,)), jnp.float32)
+put = lambda v, spec: jax.device_put(v, NamedSharding(mesh, spec))
+xs, ws, bs = put(x, P("data", None)), put(w, P()), put(b, P())
+rel = lambda u, v: float(np.linalg.norm(np.asarray(u, np.float64) - np.asarray(v, np.float64)) / np.linalg.norm(np.asarray(v, np.float64)))
+out = {}
+out["jit"] = rel(jax.jit(lambda x, w, b: rg.dense(x, w, b, act="gelu"))(xs, ws, bs), R.dense(x, w, b, act="gelu"))
+loss = lambda d: (lambda x, w, b: jnp.sum(d(x, w, b, act="gelu") ** 2))
+g = jax.jit(jax.grad(loss(rg.dense), argnums=(0, 1, 2)))(xs, ws, bs)
+gr = jax.grad(loss(R.dense), argnums=(0, 1, 2))(x, w, b)
+out["grad"] = max(rel(u, v) for u, v in zip(g, gr))
+sm = jax.jit(jax.shard_map(lambda x, w, b: rg.dense(x, w, b, act="gelu"), mesh=mesh,
+                           in_specs=(P("data"), P(), P()), out_specs=P("data")))
+y = sm(xs, ws, bs)
+out["shard_map"] = rel(y, R.dense(x, w, b, act="gelu"))
+out["shard_map_sharding"] = str(y.sharding.spec)
+print("RESULT" + json.dumps(out))
+"""
+
+
+def test_sharding_data_parallel(rand, tmp_path):
+    """jit over data-sharded inputs and shard_map over a 4-device host mesh: the same numbers
+    as the reference (values and gradients)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, SEED=str(rand.seed))
+    proc = subprocess.run([sys.executable, "-c", _SHARDING_SCRIPT], capture_output=True, text=True, env=env,
+                          cwd=tmp_path, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.split("RESULT")[-1])
+    assert out["jit"] < 1e-5 and out["shard_map"] < 1e-5 and out["grad"] < 1e-5, out
+    assert "data" in out["shard_map_sharding"]
