@@ -56,16 +56,27 @@ def _case(dtype, m, n, k, act, bias_kind, has_c, store_z, trans_a, trans_b, batc
     blen = {"none": 0, "scalar": 1, "per_row": m, "per_col": n}[bias_kind]
     bias = None if bias_kind == "none" else (0.5 * jax.random.normal(keys[2], batch + (blen,))).astype(dtype)
     c = (jax.random.normal(keys[3], batch + (m, n))).astype(dtype) if has_c else None
-    kw = dict(act=act, leaky_slope=0.2, c=c, alpha=1.25, beta=-0.5 if has_c else 0.0, trans_a=trans_a, trans_b=trans_b)
     kinds = None if bias_kind == "none" else bias_kind
-    if store_z:
-        y, z = jax.jit(lambda a, b, bias: rg.gemm_bias_act_fwd(a, b, bias, bias_kind=kinds, **kw))(a, b, bias)
-    else:
-        y, z = jax.jit(lambda a, b, bias: rg.gemm_bias_act(a, b, bias, bias_kind=kinds, **kw))(a, b, bias), None
-    up = lambda x: None if x is None else x.astype(jnp.float32)
-    kw_ref = dict(kw, c=up(c))
-    yr, zr = rg.reference.gemm_bias_act(up(a), up(b), up(bias), bias_kind=bias_kind if bias is not None else "per_col",
-                                        precision="highest", return_z=True, **kw_ref)
+    ref_kind = bias_kind if bias is not None else "per_col"
+    beta = -0.5 if has_c else 0.0
+    common = dict(act=act, leaky_slope=0.2, alpha=1.25, beta=beta, trans_a=trans_a, trans_b=trans_b)
+
+    # The public ops take unbatched operands; a batch goes through vmap (the
+    # handler then sees batch strides, per-entry biases included).
+    def fused(a, b, bias, c):
+        if store_z:
+            return rg.gemm_bias_act_fwd(a, b, bias, c=c, bias_kind=kinds, **common)
+        return rg.gemm_bias_act(a, b, bias, c=c, bias_kind=kinds, **common), None
+
+    def ref(a, b, bias, c):
+        up = lambda x: None if x is None else x.astype(jnp.float32)
+        return rg.reference.gemm_bias_act(up(a), up(b), up(bias), c=up(c), bias_kind=ref_kind, precision="highest",
+                                          return_z=True, **common)
+
+    for _ in batch:
+        fused, ref = jax.vmap(fused), jax.vmap(ref)
+    y, z = jax.jit(fused)(a, b, bias, c)
+    yr, zr = ref(a, b, bias, c)
     tol = TOL[jnp.dtype(dtype).name]
     assert y.dtype == a.dtype
     assert _rel(y, yr) < tol
