@@ -1,17 +1,18 @@
 """Device-side timing of jitted JAX functions through the JAX profiler.
 
-Each function is jitted under a unique name; one profiler trace covers many
-functions; the GPU plane's "XLA Modules" line gives, per program run, the
-device time from its first kernel's start to its last kernel's end. No host
-clock, launch gaps between runs excluded. Median of repeats after warm-up.
+One profiler trace covers many functions; the GPU plane's stream lines give
+each kernel's device start and end, and a program run's device time is its
+first kernel's start to its last kernel's end (gaps inside a run included,
+launch gaps between runs excluded). No host clock. Median of repeats after
+warm-up.
 """
 
 from __future__ import annotations
 
 import glob
+import time
 import statistics
 import tempfile
-from collections import defaultdict
 
 import jax
 
@@ -22,24 +23,39 @@ def named_jit(fn, name: str):
     return jax.jit(fn)
 
 
-def _module_durations(pd):
-    """{module name: [duration ms, ...]} from a ProfileData, GPU planes only."""
-    out = defaultdict(list)
+def _kernel_spans(pd):
+    """Sorted (start_ns, end_ns) of every kernel/memset on the GPU planes' stream lines."""
+    spans = []
     for plane in pd.planes:
         if not plane.name.startswith("/device:GPU"):
             continue
         for line in plane.lines:
-            if line.name != "XLA Modules":
-                continue
-            for ev in line.events:
-                out[ev.name.split("(")[0]].append(ev.duration_ns / 1e6)
-    return out
+            if line.name.startswith("Stream") or line.name == "XLA Ops":
+                spans += [(ev.start_ns, ev.end_ns) for ev in line.events]
+    return sorted(spans)
 
 
-def device_times_ms(cases, repeats=20):
+def _group_runs(spans, gap_ns):
+    """Splits kernel spans into program runs at idle gaps longer than gap_ns."""
+    runs = []
+    for s, e in spans:
+        if runs and s - runs[-1][1] <= gap_ns:
+            runs[-1][1] = max(runs[-1][1], e)
+        else:
+            runs.append([s, e])
+    return runs
+
+
+def device_times_ms(cases, repeats=20, pause_s=2e-3):
     """cases: {name: (jitted fn, [args tuple, ...])}; the arg sets are rotated so
-    repeated runs do not just measure the L2 cache. Returns {name: median ms}."""
-    for fn, arg_sets in cases.values():  # compile and warm up
+    repeated runs do not just measure the L2 cache. Returns {name: median ms}.
+
+    The GPU timeline of one run is its first kernel's start to its last
+    kernel's end. Runs are told apart by an idle pause of `pause_s` the host
+    leaves between them (kernels of one program follow each other within
+    microseconds); the count of runs found is checked against the count made.
+    """
+    for fn, arg_sets in cases.values():  # compile and warm up (and let any tuner run)
         for args in arg_sets:
             jax.block_until_ready(fn(*args))
     with tempfile.TemporaryDirectory() as d:
@@ -47,19 +63,17 @@ def device_times_ms(cases, repeats=20):
         for fn, arg_sets in cases.values():
             for r in range(repeats):
                 jax.block_until_ready(fn(*arg_sets[r % len(arg_sets)]))
+                time.sleep(pause_s)
         jax.profiler.stop_trace()
         paths = glob.glob(f"{d}/**/*.xplane.pb", recursive=True)
         if not paths:
             raise RuntimeError("the profiler wrote no xplane file")
         pd = jax.profiler.ProfileData.from_file(paths[0])
-    durations = _module_durations(pd)
+    runs = _group_runs(_kernel_spans(pd), gap_ns=int(pause_s * 1e9 / 4))
+    if len(runs) != len(cases) * repeats:
+        raise RuntimeError(f"found {len(runs)} program runs on the GPU timeline, made {len(cases) * repeats}")
     result = {}
-    for name in cases:
-        ds = durations.get(f"jit_{name}", [])
-        if len(ds) < repeats // 2:
-            lines = sorted({(pl.name, ln.name) for pl in pd.planes for ln in pl.lines})
-            raise RuntimeError(
-                f"profiler saw {len(ds)} runs of {name}; modules seen: {sorted(durations)[:10]}; lines: {lines[:40]}"
-            )
+    for i, name in enumerate(cases):
+        ds = [(e - s) / 1e6 for s, e in runs[i * repeats : (i + 1) * repeats]]
         result[name] = statistics.median(ds)
     return result

@@ -34,6 +34,14 @@ K, N = 24, 16
 TOL64 = 1e-12
 
 
+@pytest.fixture(autouse=True)
+def _true_f32():
+    """Layers are compared with the frameworks' own at tight tolerances: true f32 matmuls on
+    both sides (the GPU default is TF32, whose ~1e-4 rounding differs between the two)."""
+    with jax.default_matmul_precision("highest"):
+        yield
+
+
 def rel(a, b):
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-300)
