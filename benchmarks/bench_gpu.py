@@ -24,6 +24,11 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_regemm as rg
+
+try:  # what jax.ad_checkpoint.print_saved_residuals prints, as data
+    from jax._src.ad_checkpoint import saved_residuals
+except ImportError:  # pragma: no cover
+    saved_residuals = None
 from devtime import device_times_ms, named_jit
 
 DTYPES = {
@@ -69,7 +74,7 @@ def fwd_bwd(f):
 
 def residual_bytes(f, x, w, b, precision):
     """Bytes saved for the backward beyond the arguments (x, w, b)."""
-    res = jax.ad_checkpoint.saved_residuals(lambda x, w, b: f(x, w, b, precision), x, w, b)
+    res = saved_residuals(lambda x, w, b: f(x, w, b, precision), x, w, b)
     return int(sum(np.prod(a.shape) * a.dtype.itemsize for a, why in res if "argument" not in why))
 
 
@@ -120,7 +125,7 @@ def run_shape(kind, m, k, n, depth, dtype_name, acts, modes, repeats, n_sets):
             r["regemm_ms"] = times[f"{tag}_{act}_regemm_{mode}"]
             r["xla_ms"] = times[f"{tag}_{act}_xla_{mode}"]
             r["matmul_ms"] = times[f"{tag}_matmul"] * (1 if mode == "fwd" else 3)
-            if kind == "layer" and mode == "fwd_bwd":
+            if kind == "layer" and mode == "fwd_bwd" and saved_residuals is not None:
                 for impl in ("regemm", "xla"):
                     r[f"residual_bytes_{impl}"] = residual_bytes(meta[f"{tag}_{act}_{impl}_{mode}"][3], x, w, b, precision)
             records.append(r)
@@ -158,6 +163,7 @@ def main():
     p.add_argument("--modes", default="fwd,fwd_bwd")
     p.add_argument("--no-mlp", action="store_true")
     p.add_argument("--layers", default="", help="override shapes: M:K:N,M:K:N")
+    p.add_argument("--mlps", default="", help="override MLPs: batch:width:depth,...")
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--sets", type=int, default=3, help="input sets rotated between runs")
     p.add_argument("--out", default="benchmarks/results")
@@ -171,24 +177,31 @@ def main():
     print(f"device: {dev.device_kind}  jax {jax.__version__}  kernels: {rg.kernels()}", flush=True)
     records = []
     t0 = time.time()
+    mlps = [tuple(int(v) for v in s.split(":")) for s in args.mlps.split(",")] if args.mlps else MLPS
     for dtype_name in args.dtypes.split(","):
         for m, k, n in layers:
             if dtype_name == "f32_highest" and m * k * n > 2**36:
                 continue  # 10 ms per GEMM at 50 TFLOP/s: one big shape is enough
             records += run_shape("layer", m, k, n, 0, dtype_name, acts, modes, args.repeats, args.sets)
+            save(args.out, dev, records)
             print(f"  layer {m}x{k}x{n} {dtype_name} done at {time.time() - t0:.0f}s", flush=True)
         if not args.no_mlp and dtype_name != "f32_highest":
-            for batch, width, depth in MLPS:
+            for batch, width, depth in mlps:
                 mlp_acts = [a for a in acts if a in ("relu", "gelu", "sigmoid", "silu")] or acts[:1]
                 records += run_shape("mlp", batch, width, width, depth, dtype_name, mlp_acts, modes, max(args.repeats // 2, 5), 1)
+                save(args.out, dev, records)
                 print(f"  mlp {batch}x{width}x{depth} {dtype_name} done at {time.time() - t0:.0f}s", flush=True)
+    save(args.out, dev, records)
+    print(table(records))
+
+
+def save(out, dev, records):
+    """JSON and markdown so far (written after every shape: a cut-off run keeps what it measured)."""
     meta = dict(device=dev.device_kind, jax=jax.__version__, host=platform.node(), kernels=rg.kernels())
-    with open(os.path.join(args.out, "bench_gpu.json"), "w") as f:
+    with open(os.path.join(out, "bench_gpu.json"), "w") as f:
         json.dump(dict(meta=meta, records=records), f, indent=1)
-    md = table(records)
-    with open(os.path.join(args.out, "bench_gpu.md"), "w") as f:
-        f.write(f"device: {meta['device']}, jax {meta['jax']}\n\n{md}\n")
-    print(md)
+    with open(os.path.join(out, "bench_gpu.md"), "w") as f:
+        f.write(f"device: {meta['device']}, jax {meta['jax']}\n\n{table(records)}\n")
 
 
 if __name__ == "__main__":

@@ -148,7 +148,7 @@ struct CpuGemm {
     // Tasks: (batch entry, N block, M range). Split M only as far as needed to
     // give every thread work: each task packs its own B block.
     const int64_t tn = (p.n + kNc - 1) / kNc;
-    const int64_t threads = std::max<int64_t>(rt.pool ? rt.pool->num_threads() : 1, 1);
+    const int64_t threads = rt.threads();
     const int64_t m_blocks = (p.m + kMc - 1) / kMc;
     const int64_t parts = std::clamp<int64_t>((2 * threads + p.batch * tn - 1) / (p.batch * tn), 1, m_blocks);
     const int64_t rows_per_part = (m_blocks + parts - 1) / parts * kMc;

@@ -10,6 +10,8 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <thread>
+#include <vector>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -23,9 +25,17 @@ struct CpuRuntime {
 
   template <class B> static constexpr auto bind_ctx(B&& b) { return std::move(b).template Ctx<ffi::ThreadPool>(); }
 
+  // Threads parallel_for will use.
+  int64_t threads() const {
+    const int64_t t = pool ? pool->num_threads() : 0;
+    return t > 0 ? t + 1 : std::max<int64_t>(1, std::thread::hardware_concurrency());
+  }
+
   // Runs fn(i) for i in [0, n), spread over the pool; returns when all are done.
   void parallel_for(int64_t n, const std::function<void(int64_t)>& fn) const {
-    int64_t helpers = std::min<int64_t>(pool ? pool->num_threads() : 0, n - 1);
+    const int64_t pool_threads = pool ? pool->num_threads() : 0;
+    if (pool_threads == 0 && n > 1) return spawn_for(n, fn);
+    int64_t helpers = std::min<int64_t>(pool_threads, n - 1);
     if (helpers <= 0) {
       for (int64_t i = 0; i < n; ++i) fn(i);
       return;
@@ -50,6 +60,18 @@ struct CpuRuntime {
     st->work();
     std::unique_lock<std::mutex> l(st->mu);
     st->cv.wait(l, [&] { return st->done.load() == n; });
+  }
+
+  // Where XLA hands the handler no intra-op pool (it reports 0 threads), use
+  // the machine's cores with short-lived threads: tasks here are large.
+  static void spawn_for(int64_t n, const std::function<void(int64_t)>& fn) {
+    const int64_t workers = std::min<int64_t>(std::max(1u, std::thread::hardware_concurrency()), n);
+    std::atomic<int64_t> next{0};
+    auto work = [&] { for (int64_t i; (i = next.fetch_add(1)) < n;) fn(i); };
+    std::vector<std::thread> threads;
+    for (int64_t t = 1; t < workers; ++t) threads.emplace_back(work);
+    work();
+    for (auto& t : threads) t.join();
   }
 };
 
