@@ -6,24 +6,13 @@
 from __future__ import annotations
 
 import argparse
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import jax_regemm as rg
-
-
-def median_ms(f, *args, repeats=30):
-    jax.block_until_ready(f(*args))  # compile + warm up
-    jax.block_until_ready(f(*args))
-    ts = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(f(*args))
-        ts.append(time.perf_counter() - t0)
-    return 1e3 * float(np.median(ts))
+from devtime import host_median_ms as median_ms
 
 
 def main():

@@ -77,3 +77,16 @@ def device_times_ms(cases, repeats=20, pause_s=2e-3):
         ds = [(e - s) / 1e6 for s, e in runs[i * repeats : (i + 1) * repeats]]
         result[name] = statistics.median(ds)
     return result
+
+
+def host_median_ms(fn, *args, repeats=20):
+    """Median wall time of fn(*args) after warm-up: for the CPU backend, where
+    host time is device time (the call blocks until the result is ready)."""
+    for _ in range(3):
+        jax.block_until_ready(fn(*args))
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        ts.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(ts)

@@ -12,26 +12,14 @@ mean the vmap became one GEMM over the batch (forward and backward).
 from __future__ import annotations
 
 import argparse
-import time
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 import jax_regemm as rg
+from devtime import host_median_ms as median_ms
 import jax_regemm.equinox as rg_eqx
-
-
-def median_ms(f, *args, repeats=20):
-    for _ in range(3):
-        jax.block_until_ready(f(*args))
-    ts = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(f(*args))
-        ts.append(time.perf_counter() - t0)
-    return 1e3 * float(np.median(ts))
 
 
 def main():
