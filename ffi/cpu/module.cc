@@ -3,6 +3,7 @@
 #include <nanobind/nanobind.h>
 
 #include "../regemm/handlers.h"
+#include "../regemm/module_util.h"
 #include "runtime.h"
 
 namespace nb = nanobind;
@@ -13,12 +14,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(regemm_gemm_cpu, (regemm::gemm_handler<CpuRuntime,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(regemm_dact_cpu, (regemm::dact_handler<CpuRuntime, xla::ffi::ThreadPool>),
                               regemm::dact_binding<CpuRuntime>());
 
-template <class Registry> nb::list kernel_names() {
-  nb::list names;
-  for (const auto& e : Registry::get().entries()) names.append(nb::str(e.name.data(), e.name.size()));
-  return names;
-}
-
 NB_MODULE(_regemm_cpu, m) {
   m.def("registrations", [] {
     nb::dict d;
@@ -26,10 +21,5 @@ NB_MODULE(_regemm_cpu, m) {
     d["regemm_dact"] = nb::capsule(reinterpret_cast<void*>(regemm_dact_cpu));
     return d;
   });
-  m.def("kernels", [] {
-    nb::dict d;
-    d["gemm"] = kernel_names<regemm::GemmRegistry<CpuRuntime>>();
-    d["dact"] = kernel_names<regemm::DactRegistry<CpuRuntime>>();
-    return d;
-  });
+  m.def("kernels", [] { return regemm::kernels_by_op<CpuRuntime>(); });
 }

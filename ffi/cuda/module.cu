@@ -14,6 +14,7 @@
 #include <nanobind/nanobind.h>
 
 #include "../regemm/handlers.h"
+#include "../regemm/module_util.h"
 #include "runtime.h"
 
 namespace nb = nanobind;
@@ -26,12 +27,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(regemm_gemm_cuda,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(regemm_dact_cuda,
                               (regemm::dact_handler<CudaRuntime, cudaStream_t, ffi::ScratchAllocator>),
                               regemm::dact_binding<CudaRuntime>());
-
-template <class Registry> nb::list kernel_names() {
-  nb::list names;
-  for (const auto& e : Registry::get().entries()) names.append(nb::str(e.name.data(), e.name.size()));
-  return names;
-}
 
 NB_MODULE(_regemm_cuda, m) {
   m.def("registrations", [] {
@@ -49,10 +44,5 @@ NB_MODULE(_regemm_cuda, m) {
   });
   // Kernel calls so far that ran under CUDA-graph capture (a test hook).
   m.def("captured_calls", [] { return regemm::g_captured_calls.load(); });
-  m.def("kernels", [] {
-    nb::dict d;
-    d["gemm"] = kernel_names<regemm::GemmRegistry<CudaRuntime>>();
-    d["dact"] = kernel_names<regemm::DactRegistry<CudaRuntime>>();
-    return d;
-  });
+  m.def("kernels", [] { return regemm::kernels_by_op<CudaRuntime>(); });
 }
