@@ -1,16 +1,32 @@
 """The XLA FFI custom calls, registered once per platform, and their raw calls.
 
 Both platforms export the same targets (regemm_gemm, regemm_dact) under the
-same names, so one lowering serves CPU and GPU alike. Batching: operands carry
-leading batch dims and vmap adds more (vmap_method="expand_dims": an unbatched
-operand gets a size-1 dim, which the handler reads with stride 0, never a copy).
+same names. Each call is bound as the primitive `regemm_call`, whose lowering
+adds one result the program never sees: the handler's device workspace, sized
+per platform (0 bytes on the CPU; on the GPU the CUDA module says how much,
+ffi/cuda/workspace.h). XLA allocates it like any temporary, so it stays valid
+when XLA captures the call into a CUDA graph and replays it.
+Batching: operands carry leading batch dims and vmap adds more ("expand_dims":
+an unbatched operand gets a size-1 dim, which the handler reads with stride 0,
+never a copy).
 """
 
 from __future__ import annotations
 
+import math
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.extend.core import Primitive
+from jax._src import dispatch
+from jax.interpreters import batching, mlir
+
+try:  # public in the JAX versions this targets; the private path is a fallback
+    from jax.core import ShapedArray
+except ImportError:  # pragma: no cover
+    from jax._src.core import ShapedArray
 
 from . import _regemm_cpu
 
@@ -45,6 +61,64 @@ def kernels() -> dict:
     return out
 
 
+# ---------------------------------------------------------------------------
+# regemm_call: one FFI call, with its workspace added at lowering
+# ---------------------------------------------------------------------------
+
+_call_p = Primitive("regemm_call")
+_call_p.multiple_results = True
+
+
+def _call(target, results, *args, **attrs):
+    """Binds `target` on args; results: ShapeDtypeStructs; attrs: the FFI attributes."""
+    results = tuple((tuple(r.shape), np.dtype(r.dtype)) for r in results)
+    return _call_p.bind(*args, target=target, results=results, attrs=tuple(sorted(attrs.items())))
+
+
+def _call_abstract(*avals, target, results, attrs):
+    return [ShapedArray(shape, dtype) for shape, dtype in results]
+
+
+def _call_batch(args, dims, *, target, results, attrs):
+    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+    args = [jnp.expand_dims(a, 0) if d is None else jnp.moveaxis(a, d, 0) for a, d in zip(args, dims)]
+    results = tuple(((size,) + shape, dtype) for shape, dtype in results)
+    return _call_p.bind(*args, target=target, results=results, attrs=attrs), [0] * len(results)
+
+
+def _workspace_bytes(platform, target, avals_in, attrs):
+    """Bytes of workspace the target's handler needs on `platform` (ffi/cuda/workspace.h)."""
+    if platform != "cuda" or _regemm_cuda is None:
+        return 0
+    if target == "regemm_gemm":
+        a, b = avals_in[:2]
+        nb = a.ndim - 2
+        k, n = (b.shape[-1], b.shape[-2]) if attrs["trans_b"] else (b.shape[-2], b.shape[-1])
+        return _regemm_cuda.gemm_workspace_bytes(
+            np.dtype(a.dtype).name, k, n, math.prod(b.shape[:nb]), attrs["trans_a"], attrs["trans_b"], attrs["exact_f32"]
+        )
+    gy = avals_in[0]
+    batch = math.prod(jnp.broadcast_shapes(gy.shape[:-2], avals_in[1].shape[:-2]))
+    return _regemm_cuda.dact_workspace_bytes(np.dtype(gy.dtype).name, gy.shape[-2], gy.shape[-1], batch, attrs["bias_kind"])
+
+
+def _call_lowering(platform):
+    def lower(ctx, *args, target, results, attrs):
+        attrs = dict(attrs)
+        ws = _workspace_bytes(platform, target, ctx.avals_in, attrs)
+        ctx = ctx.replace(avals_out=[*ctx.avals_out, ShapedArray((ws,), np.uint8)])
+        return jax.ffi.ffi_lowering(target)(ctx, *args, **attrs)[:-1]
+
+    return lower
+
+
+_call_p.def_impl(partial(dispatch.apply_primitive, _call_p))  # eager: compile the one call, as jax.ffi does
+_call_p.def_abstract_eval(_call_abstract)
+batching.primitive_batchers[_call_p] = _call_batch
+mlir.register_lowering(_call_p, _call_lowering("cpu"), platform="cpu")
+mlir.register_lowering(_call_p, _call_lowering("cuda"), platform="cuda")
+
+
 def _batch_shape(*arrays_and_ranks):
     return jnp.broadcast_shapes(*(x.shape[: x.ndim - r] for x, r in arrays_and_ranks if x is not None))
 
@@ -63,7 +137,9 @@ def gemm(a, b, bias, c, *, act, slope, alpha, beta, trans_a, trans_b, bias_kind,
         c = jnp.zeros(ones + (0, 0), a.dtype)
     y_t = jax.ShapeDtypeStruct(batch + (m, n), a.dtype)
     z_t = jax.ShapeDtypeStruct(batch + ((m, n) if store_z else (0, 0)), a.dtype)
-    y, z = jax.ffi.ffi_call("regemm_gemm", (y_t, z_t), vmap_method="expand_dims")(
+    y, z = _call(
+        "regemm_gemm",
+        (y_t, z_t),
         a,
         b,
         bias,
@@ -87,7 +163,7 @@ def dact(gy, s, *, act, slope, from_y, bias_kind, bias_len):
     batch = _batch_shape((gy, 2), (s, 2))
     gz_t = jax.ShapeDtypeStruct(batch + gy.shape[-2:], gy.dtype)
     gb_t = jax.ShapeDtypeStruct(batch + (bias_len if bias_kind != "none" else 0,), gy.dtype)
-    gz, gbias = jax.ffi.ffi_call("regemm_dact", (gz_t, gb_t), vmap_method="expand_dims")(
-        gy, s, act=act, slope=np.float64(slope), from_y=bool(from_y), bias_kind=bias_kind
+    gz, gbias = _call(
+        "regemm_dact", (gz_t, gb_t), gy, s, act=act, slope=np.float64(slope), from_y=bool(from_y), bias_kind=bias_kind
     )
     return gz, (gbias if bias_kind != "none" else None)

@@ -15,24 +15,15 @@ using namespace regemm;
 using namespace regemm::cutlass_sm90;
 
 namespace {
-// Workspace (stream-K, the f32 transpose of B): the i-th allocation of a call
-// gets buffer i, grown on demand and kept (tests only, so that CUDA graphs of
-// these calls stay valid; the FFI entry takes XLA's scratch allocator instead).
-void* g_ws[4] = {};
-size_t g_ws_bytes[4] = {};
-int g_ws_next = 0;
+// Workspace (stream-K, the f32 transpose of B), with the FFI entry's
+// semantics (ffi/cuda/runtime.h: every request is served from the start):
+// one buffer, allocated once and kept (tests only, so that CUDA graphs of
+// these calls stay valid; the FFI entry uses the call's workspace result).
+constexpr size_t kWsBytes = size_t(256) << 20;
+void* g_ws = nullptr;
 void* grow(void*, size_t bytes) {
-  if (g_ws_next >= 4) return nullptr;
-  const int i = g_ws_next++;
-  if (bytes > g_ws_bytes[i]) {
-    cudaDeviceSynchronize();
-    cudaFree(g_ws[i]);
-    g_ws[i] = nullptr;
-    g_ws_bytes[i] = 0;
-    if (cudaMalloc(&g_ws[i], bytes) != cudaSuccess) return nullptr;
-    g_ws_bytes[i] = bytes;
-  }
-  return g_ws[i];
+  if (!g_ws && cudaMalloc(&g_ws, kWsBytes) != cudaSuccess) g_ws = nullptr;
+  return g_ws && bytes <= kWsBytes ? g_ws : nullptr;
 }
 
 GemmProblem make_problem(const long long* d, const double* f) {
@@ -67,8 +58,7 @@ int regemm_cutlass_gemm(const long long* d, const double* f, void* const* ptrs, 
   l.stream = static_cast<cudaStream_t>(stream);
   l.dev = *dev;
   l.alloc = grow;
-  g_ws_next = 0;
-  Status st = run(p, o, l, /*scratch_while_capturing=*/true);  // grow() keeps its buffers
+  Status st = run(p, o, l);  // grow() keeps its buffers
   if (st.ok()) return 0;
   std::snprintf(err, errlen, "%s: %s", st.stage, st.detail ? st.detail : "");
   return 2;

@@ -271,7 +271,7 @@ def _raw_gemm(a, b, bias, c, out_shape, **attrs):
     base.update(attrs)
     y_t = jax.ShapeDtypeStruct(out_shape, a.dtype)
     z_t = jax.ShapeDtypeStruct((0, 0), a.dtype)
-    return jax.ffi.ffi_call("regemm_gemm", (y_t, z_t))(a, b, bias, c, **base)
+    return rg._ffi._call("regemm_gemm", (y_t, z_t), a, b, bias, c, **base)  # the raw call, workspace added
 
 
 @pytest.mark.parametrize(
@@ -310,9 +310,9 @@ def test_handler_errors_are_errors(case, match):
 
 def test_dact_handler_errors_are_errors():
     gy, s = _arr((M, N)), _arr((M, N + 1))
-    call = lambda gy, s, **kw: jax.ffi.ffi_call(
-        "regemm_dact", (jax.ShapeDtypeStruct(gy.shape, gy.dtype), jax.ShapeDtypeStruct((0,), gy.dtype))
-    )(gy, s, slope=np.float64(0.01), bias_kind="none", **kw)  # fmt: skip
+    call = lambda gy, s, **kw: rg._ffi._call(
+        "regemm_dact", (jax.ShapeDtypeStruct(gy.shape, gy.dtype), jax.ShapeDtypeStruct((0,), gy.dtype)),
+        gy, s, slope=np.float64(0.01), bias_kind="none", **kw)  # fmt: skip
     with pytest.raises(jax.errors.JaxRuntimeError, match=r"regemm: Z/Y: shape \[3, 6\] does not fit"):
         jax.block_until_ready(call(gy, s, act="gelu", from_y=False))
     with pytest.raises(jax.errors.JaxRuntimeError, match=r"act' cannot be derived from Y for 'gelu'"):

@@ -235,6 +235,38 @@ def test_grads_dtype_bias(mode, kind):
     check_grads("silu", kind, mode, TRANS[j], "z", 65, 33, 129, with_c=j % 2 == 1, seed=7 + 10 * i + j)
 
 
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("mode", ("f32", "bf16", "f16", "f64"))
+def test_dact_kernel(mode, kind):
+    """The backward epilogue itself, every activation (act' from Z, and from Y
+    where it can be): gZ and gBias against the float64 reference, through vmap
+    (a batch of 2 in one call). N = 520 lets every dtype take 16-byte vectors,
+    N = 130 does not; both span several tiles each way. Positive gY keeps the
+    bias sums well-conditioned (a sum that cancels to near 0 has no relative
+    accuracy in bf16, whoever adds it up), and small enough that 156000 of them
+    fit in f16."""
+    dtype, _, tol = MODES[mode]
+    r = Rand(11 + 7 * MODE_NAMES.index(mode) + KINDS.index(kind))
+    for m, n in ((300, 520), (261, 130)):
+        blen = {"none": (), "scalar": (1,), "per_row": (m,), "per_col": (n,)}[kind]
+        for act in ACTS:
+            for from_y in (False, True) if act in ref.GRAD_FROM_Y else (False,):
+                gy = (0.05 * (jnp.abs(r.normal((2, m, n), jnp.float32)) + 0.1)).astype(dtype)
+                s = r.normal((2, m, n), dtype, 2.0)
+                if from_y:  # a Y the activation can produce
+                    s = ref.act_fwd(act, s.astype(jnp.float32)).astype(dtype)
+                spec = rg._ops._DactSpec(act, 0.01, from_y, kind, blen)
+                gz, gb = jax.jit(jax.vmap(lambda g, s: rg._ops.dact(spec, g, s)))(gy, s)
+                want = lambda g, s: ref.dact(up(g), up(s), act=act, from_y=from_y, bias_kind=kind)
+                gz_r, gb_r = jax.vmap(want)(gy, s)
+                what = (act, from_y, m, n)
+                assert gz.dtype == dtype and rel(gz, gz_r) < tol, what
+                if kind == "none":
+                    assert gb is None
+                else:
+                    assert gb.dtype == dtype and rel(gb, gb_r.reshape(gb.shape)) < tol, what
+
+
 # ---------------------------------------------------------------------------
 # vmap / jit / grad composition, batch strides
 # ---------------------------------------------------------------------------
@@ -461,8 +493,8 @@ def test_training_step_with_command_buffers(tmp_path):
     # ... training runs and learns ...
     assert graphs["losses"][-1] < graphs["losses"][0]
     # ... and gives what the uncaptured run gives. The last layer's bias gradient
-    # comes from the backward epilogue's scratch-free path under capture and its
-    # two-pass path otherwise: bit-identical by construction.
+    # comes from the backward epilogue's fixed-order reduction, captured (graph
+    # replays over the workspace result) or not: bit-identical by construction.
     for g in list(res_g["b2_grads"]) + list(res_p["b2_grads"]):
         assert np.array_equal(g, res_p["b2_grads"][0])
     np.testing.assert_allclose(graphs["losses"], plain["losses"], rtol=1e-5)

@@ -6,8 +6,9 @@ both SIMT tiles, every bias kind of the backward epilogue, the cuBLAS GEMMs
     python tools/sanitize_workload.py plain    # XLA command buffers off
     python tools/sanitize_workload.py graphs   # every regemm call captured into a CUDA graph
 
-In "graphs" mode the backward epilogue takes its scratch-free path and cuBLAS
-runs without a workspace (see ffi/cuda/runtime.h). Prints "workload ok" last.
+In "graphs" mode every handler runs under CUDA-graph capture, with the
+workspace XLA allocates for the call (ffi/cuda/workspace.h) used by the
+backward epilogue's partial sums, cuBLAS and CUTLASS. Prints "workload ok" last.
 """
 
 from __future__ import annotations

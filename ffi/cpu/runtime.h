@@ -20,10 +20,12 @@ namespace regemm {
 namespace ffi = xla::ffi;
 
 struct CpuRuntime {
-  explicit CpuRuntime(ffi::ThreadPool& p) : pool(&p) {}
+  // The workspace result is empty on the CPU (kernels allocate on the host).
+  CpuRuntime(ffi::AnyBuffer /*workspace*/, ffi::ThreadPool& p) : pool(&p) {}
   ffi::ThreadPool* pool;
 
   template <class B> static constexpr auto bind_ctx(B&& b) { return std::move(b).template Ctx<ffi::ThreadPool>(); }
+  ffi::Error start() const { return ffi::Error::Success(); }
 
   // Threads parallel_for will use.
   int64_t threads() const {

@@ -6,11 +6,11 @@
 //   teardown). A handle is not safe to use from two threads at once, and
 //   stream and workspace are handle state, so set-stream / set-workspace /
 //   GEMM run under the handle's mutex (host-side only: nothing waits on the GPU).
-// - Workspace: from the FFI scratch allocator (stream-ordered on XLA's stream).
-//   While XLA captures the call into a CUDA graph there is no scratch (see
-//   runtime.h), and cuBLAS gets an explicit zero-size workspace: it then picks
-//   algorithms that need none instead of its own pool, which in a graph would
-//   need memory nodes (unsupported in the child graphs XLA builds).
+// - Workspace: the call's workspace buffer (workspace.h), also under CUDA-graph
+//   capture, so cuBLAS never falls back to its own pool (which in a graph would
+//   need memory nodes, unsupported in the child graphs XLA builds). Should it
+//   be missing, cuBLAS gets an explicit zero-size workspace and picks
+//   algorithms that need none.
 // - f32 uses TF32 tensor cores unless exact_f32 (precision=HIGHEST), as XLA's
 //   own dots do; bf16/f16 accumulate in f32, and the handle forbids reduced-
 //   precision split-K reductions so that the f32 accumulation is kept.
@@ -39,9 +39,6 @@ ffi::Error cublas_error(cublasStatus_t s, const char* what, const char* file, in
     if (regemm_st_ != CUBLAS_STATUS_SUCCESS)                                     \
       return cublas_error(regemm_st_, #expr, __FILE__, __LINE__);                \
   } while (0)
-
-// 32 MiB: what cuBLAS recommends on Hopper.
-constexpr size_t kWorkspaceBytes = size_t(32) << 20;
 
 struct DeviceHandle {
   std::mutex mu;  // guards the handle's stream/workspace state across calls
@@ -127,15 +124,14 @@ ffi::Error run_cublas(const GemmProblem& p, const GemmOperands& o, CudaRuntime& 
   const void* alpha = f64 ? static_cast<const void*>(&alpha64) : static_cast<const void*>(&alpha32);
   const void* beta = f64 ? static_cast<const void*>(&beta64) : static_cast<const void*>(&beta32);
 
-  void* workspace = nullptr;  // null while capturing: zero-size workspace
-  if (auto e = rt.scratch_for_call(kWorkspaceBytes, &workspace); e.failure()) return e;
+  void* workspace = rt.take(kGemmWorkspaceBytes);  // null: zero-size workspace
 
   DeviceHandle* dh = nullptr;
   if (auto e = device_handle(&dh); e.failure()) return e;
   std::lock_guard<std::mutex> lock(dh->mu);
   // SetStream resets the workspace to cuBLAS's own pool, so it goes first.
   REGEMM_CUBLAS_CHECK(cublasSetStream(dh->handle, rt.stream));
-  REGEMM_CUBLAS_CHECK(cublasSetWorkspace(dh->handle, workspace, workspace ? kWorkspaceBytes : 0));
+  REGEMM_CUBLAS_CHECK(cublasSetWorkspace(dh->handle, workspace, workspace ? kGemmWorkspaceBytes : 0));
   const ColMajorGemm g = col_major(p, o);
   REGEMM_CUBLAS_CHECK(cublasGemmStridedBatchedEx_64(dh->handle, g.op_a, g.op_b, g.m, g.n, g.k, alpha,
                                                     g.a, type, g.lda, g.stride_a,

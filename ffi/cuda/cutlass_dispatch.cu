@@ -291,10 +291,10 @@ __global__ void transpose_f32(const float* __restrict__ b, float* __restrict__ b
   }
 }
 
-// f32 x @ w (A K-major, B N-major): TF32 wgmma wants B K-major. With scratch
-// at hand, transposing B costs one pass over it (K*N*8 bytes) and then the
-// direct shared-memory kernel runs; without (graph capture) the kernel for
-// this layout computes Y^T = B^T A^T through CUTLASS's register-A path.
+// f32 x @ w (A K-major, B N-major): TF32 wgmma wants B K-major. With
+// workspace at hand, transposing B costs one pass over it (K*N*8 bytes) and
+// then the direct shared-memory kernel runs; without, the kernel for this
+// layout computes Y^T = B^T A^T through CUTLASS's register-A path.
 // REGEMM_CUTLASS_F32_BT=swap forces the latter.
 bool f32_transpose_b(const GemmProblem& p) {
   if (p.dtype != DType::kF32 || p.trans_a || p.trans_b) return false;
@@ -302,47 +302,62 @@ bool f32_transpose_b(const GemmProblem& p) {
   return !(v && std::strcmp(v, "swap") == 0) && KernelTable::get().find(DType::kF32, false, true, Config::kPing128x128);
 }
 
-Status run_config(const GemmProblem& p, const GemmOperands& o, const Launch& l, bool capturing,
-                  bool scratch_while_capturing) {
+Status run_config(const GemmProblem& p, const GemmOperands& o, const Launch& l, bool capturing) {
   Choice ch = choose(p, o, l, capturing);
-  if (capturing && !scratch_while_capturing && ch.config == Config::kStreamK128x128) {
-    // No workspace: the small problems stream-K wins go to ping-pong (second
-    // best there in run 1), the rest to cooperative.
-    const int64_t t128 = ceil_div(p.m, 128) * ceil_div(p.n, 128) * p.batch;
-    ch.config = t128 <= (l.dev.sm_count > 0 ? l.dev.sm_count : 132) ? Config::kPing128x128 : Config::kCoop128x256;
-  }
   RunFn fn = KernelTable::get().find(p.dtype, p.trans_a, p.trans_b, ch.config);
   if (!fn) return {"dispatch", "no kernel built for this dtype and layout"};
-  return execute(fn, ch, p, o, l);
+  Status st = execute(fn, ch, p, o, l);
+  if (!st.ok() && ch.config == Config::kStreamK128x128 && std::strcmp(st.stage, "workspace") == 0) {
+    // Stream-K's workspace did not fit (workspace.h bounds it): the small
+    // problems stream-K wins go to ping-pong (second best there in run 1).
+    if (RunFn alt = KernelTable::get().find(p.dtype, p.trans_a, p.trans_b, Config::kPing128x128))
+      return execute(alt, {Config::kPing128x128, ch.split}, p, o, l);
+  }
+  return st;
+}
+
+// l.alloc hands out the workspace from its start on every request (each
+// launch may reuse it: runtime.h). With B^T at the start, the kernels'
+// own requests are served from behind it.
+struct AfterBt {
+  Launch base;
+  size_t skip;  // B^T's bytes, rounded up to the alignment
+};
+void* alloc_after_bt(void* ctx, size_t bytes) {
+  const auto* a = static_cast<const AfterBt*>(ctx);
+  char* p = static_cast<char*>(a->base.alloc(a->base.alloc_ctx, a->skip + bytes));
+  return p ? p + a->skip : nullptr;
 }
 
 }  // namespace
 
-Status run(const GemmProblem& p, const GemmOperands& o, const Launch& l, bool scratch_while_capturing) {
-  // Under CUDA-graph capture: no timing, and no configuration that needs a
-  // workspace (scratch memory is not handed out while capturing: runtime.h).
+Status run(const GemmProblem& p, const GemmOperands& o, const Launch& l) {
+  // Under CUDA-graph capture: no timing (the rule chooses).
   cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
   if (cudaStreamIsCapturing(l.stream, &cs) != cudaSuccess) return {"cudaStreamIsCapturing", cudaGetErrorString(cudaGetLastError())};
   const bool capturing = cs != cudaStreamCaptureStatusNone;
-  if ((!capturing || scratch_while_capturing) && f32_transpose_b(p) && l.alloc) {
+  if (f32_transpose_b(p) && l.alloc) {
     const int64_t nb = p.batch > 1 && p.stride_b != 0 ? p.batch : 1;
-    void* bt = l.alloc(l.alloc_ctx, size_t(p.k * p.n * nb) * sizeof(float));
-    if (bt) {
-      const dim3 grid(unsigned(ceil_div(p.n, 32)), unsigned(ceil_div(p.k, 32)), unsigned(nb));
-      if (grid.y <= 65535 && grid.z <= 65535) {
-        transpose_f32<<<grid, dim3(32, 8), 0, l.stream>>>(static_cast<const float*>(o.b), static_cast<float*>(bt), p.k,
-                                                          p.n, p.stride_b, p.k * p.n);
-        if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return {"transpose launch", cudaGetErrorString(e)};
-        GemmProblem q = p;
-        q.trans_b = true;
-        q.stride_b = nb > 1 ? p.k * p.n : 0;
-        GemmOperands ob = o;
-        ob.b = bt;
-        return run_config(q, ob, l, capturing, scratch_while_capturing);
-      }
+    const size_t bt_bytes = size_t(p.k * p.n * nb) * sizeof(float);
+    void* bt = l.alloc(l.alloc_ctx, bt_bytes);
+    const dim3 grid(unsigned(ceil_div(p.n, 32)), unsigned(ceil_div(p.k, 32)), unsigned(nb));
+    if (bt && grid.y <= 65535 && grid.z <= 65535) {
+      transpose_f32<<<grid, dim3(32, 8), 0, l.stream>>>(static_cast<const float*>(o.b), static_cast<float*>(bt), p.k,
+                                                        p.n, p.stride_b, p.k * p.n);
+      if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return {"transpose launch", cudaGetErrorString(e)};
+      GemmProblem q = p;
+      q.trans_b = true;
+      q.stride_b = nb > 1 ? p.k * p.n : 0;
+      GemmOperands ob = o;
+      ob.b = bt;
+      AfterBt after{l, (bt_bytes + 255) & ~size_t(255)};
+      Launch lq = l;
+      lq.alloc = alloc_after_bt;
+      lq.alloc_ctx = &after;
+      return run_config(q, ob, lq, capturing);
     }
   }
-  return run_config(p, o, l, capturing, scratch_while_capturing);
+  return run_config(p, o, l, capturing);
 }
 
 }  // namespace regemm::cutlass_sm90

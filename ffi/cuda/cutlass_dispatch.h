@@ -31,10 +31,9 @@ bool can_run(const GemmProblem& p);
 bool can_launch(const GemmProblem& p, const GemmOperands& o);
 
 // Picks the configuration (forced, tuned or by rule) and launches it. Under
-// CUDA-graph capture it does not tune, and it avoids configurations that need
-// a workspace unless `scratch_while_capturing` says l.alloc's memory outlives
-// the graph (XLA's scratch does not: runtime.h).
-Status run(const GemmProblem& p, const GemmOperands& o, const Launch& l, bool scratch_while_capturing = false);
+// CUDA-graph capture it does not tune. l.alloc's memory must stay valid for
+// as long as the work it is used for may run (replays of a graph included).
+Status run(const GemmProblem& p, const GemmOperands& o, const Launch& l);
 
 // The configuration run() would use now for p (forced, cached tuning result,
 // or the rule), without tuning, and whether the activation runs as a separate

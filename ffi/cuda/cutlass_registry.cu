@@ -27,12 +27,9 @@ ffi::Error run_elsewhere(const GemmProblem& p, const GemmOperands& o, CudaRuntim
   return best->run(p, o, rt);
 }
 
-// Null while the stream is being captured (runtime.h); the dispatch then
-// picks no configuration that needs a workspace.
-void* scratch_alloc(void* ctx, size_t bytes) {
-  void* mem = nullptr;
-  return static_cast<CudaRuntime*>(ctx)->scratch_for_call(bytes, &mem).success() ? mem : nullptr;
-}
+// From the call's workspace (valid under CUDA-graph capture too); null when
+// it has no room, and the dispatch then does without.
+void* workspace_alloc(void* ctx, size_t bytes) { return static_cast<CudaRuntime*>(ctx)->take(bytes); }
 
 ffi::Error run_entry(const GemmProblem& p, const GemmOperands& o, CudaRuntime& rt) {
   const DeviceInfo* dev = sm90_device();
@@ -40,7 +37,7 @@ ffi::Error run_entry(const GemmProblem& p, const GemmOperands& o, CudaRuntime& r
   Launch l;
   l.stream = rt.stream;
   l.dev = *dev;
-  l.alloc = scratch_alloc;
+  l.alloc = workspace_alloc;
   l.alloc_ctx = &rt;
   const Status st = run(p, o, l);
   if (st.ok()) return ffi::Error::Success();

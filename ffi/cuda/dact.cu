@@ -2,174 +2,152 @@
 // can be read off the output), with the bias gradient reduced in the same
 // pass over gZ.
 //
+// Speed: the pass is memory-bound (read gY and S, write gZ: 6 bytes per bf16
+// element), so each thread moves 16-byte vectors (8 bf16/f16, 4 f32, 2 f64)
+// and a warp covers 512 contiguous bytes of a row. The activation is a
+// template parameter, so the per-element work is straight-line code.
+//
 // Determinism: gBias is bit-identical from run to run. No atomics; every sum
-// has a fixed order. The M x N output is cut into 64 x 32 tiles (block of
-// 32 x 8 threads, 8 rows each); a tile's partial sums are computed by one
-// function (tile_partial) in a fixed order, and the partials of the tiles are
-// then added in tile order. Two ways to add them, same arithmetic, same bits:
-// - two passes (the usual case): every tile in parallel writes its partial to
-//   scratch, and a second kernel adds them up;
-// - one pass, no scratch (while XLA captures the call into a CUDA graph, where
-//   scratch cannot be used, see runtime.h): one block per output strip walks
-//   its tiles in order and keeps the running sums itself. Less parallel, so
-//   it is only the fallback.
+// has a fixed order. The M x N output is cut into tiles of kTileRows rows by
+// 32 vectors of columns (block of 32 x 8 threads; thread (x, y) covers one
+// vector of columns and rows y, y + 8, ...). A tile's partial sums are added
+// in a fixed order and written to the workspace; a second kernel adds the
+// partials of the tiles in tile order.
 // The bias gradient sums gZ as stored (rounded to the output dtype), in the
 // accumulation type (f32, or f64 for f64).
 #include <cstdint>
 
 #include "../regemm/handlers.h"
 #include "runtime.h"
+#include "workspace.h"
 
 namespace regemm {
 namespace {
 
-constexpr int kTileN = 32;                      // columns per tile = lanes of a warp
-constexpr int kRowLanes = 8;                    // warps per block
-constexpr int kRowsPerThread = 8;
-constexpr int kTileM = kRowLanes * kRowsPerThread;  // 64 rows per tile
-constexpr int kThreads = kTileN * kRowLanes;        // 256
-constexpr int kScalarLanes = kThreads;              // scalar: partials folded into 256 running sums
+constexpr int kLanes = 32;                          // vectors of columns per tile = lanes of a warp
+constexpr int kWarps = 8;                           // warps per block, along rows
+constexpr int kThreads = kLanes * kWarps;           // 256
+constexpr int kTileRows = 128;                      // rows per tile
+constexpr int kRowsPerThread = kTileRows / kWarps;  // 16
+
+// Elements per 16-byte vector.
+template <class T> constexpr int kVec = int(16 / sizeof(T));
 
 struct DactArgs {
   int64_t m, n, batch, stride_gy, stride_s, tiles_m, tiles_n;
+  int64_t len;  // of the bias (0: none)
   const void* gy;
   const void* s;
   void* gz;
   void* gbias;     // null: no bias
-  void* partials;  // scratch for the two-pass reduction, or null
+  void* partials;  // workspace for the tiles' partial sums (null: no bias)
   double slope;
-  Act act;
   bool from_y;
   BiasKind kind;
 };
 
-__host__ __device__ int64_t bias_len(const DactArgs& a) {
-  return a.kind == BiasKind::kPerCol ? a.n : a.kind == BiasKind::kPerRow ? a.m : a.kind == BiasKind::kScalar ? 1 : 0;
-}
-
-// Partial sums per batch entry, in the scratch layout of each kind:
+// Partial sums per batch entry, in the layout of each kind:
 // per-col [tiles_m][n], per-row [tiles_n][m], scalar [tiles_m * tiles_n].
-__host__ __device__ int64_t partials_per_batch(const DactArgs& a) {
-  switch (a.kind) {
-    case BiasKind::kPerCol: return a.tiles_m * a.n;
-    case BiasKind::kPerRow: return a.tiles_n * a.m;
-    case BiasKind::kScalar: return a.tiles_m * a.tiles_n;
+__host__ __device__ int64_t partials_per_batch(BiasKind kind, int64_t m, int64_t n, int64_t tiles_m, int64_t tiles_n) {
+  switch (kind) {
+    case BiasKind::kPerCol: return tiles_m * n;
+    case BiasKind::kPerRow: return tiles_n * m;
+    case BiasKind::kScalar: return tiles_m * tiles_n;
     default: return 0;
   }
 }
 
-// gZ of tile (tm, tn) of batch entry b: writes gZ and returns this thread's
-// values (as stored, in the accumulation type; 0 outside the matrix) for its
-// column tn*32 + threadIdx.x and rows tm*64 + threadIdx.y + 8r.
-template <class T>
-__device__ __forceinline__ void tile_gz(const DactArgs& a, int64_t b, int64_t tm, int64_t tn,
-                                        acc_t<T> (&g)[kRowsPerThread]) {
-  using A = acc_t<T>;
-  const T* gy = static_cast<const T*>(a.gy) + b * a.stride_gy;
-  const T* s = static_cast<const T*>(a.s) + b * a.stride_s;
-  T* gz = static_cast<T*>(a.gz) + b * a.m * a.n;
-  const A slope = A(a.slope);
-  const int64_t col = tn * kTileN + threadIdx.x;
-#pragma unroll
-  for (int r = 0; r < kRowsPerThread; ++r) {
-    const int64_t row = tm * kTileM + threadIdx.y + r * kRowLanes;
-    g[r] = A(0);
-    if (row < a.m && col < a.n) {
-      const int64_t off = row * a.n + col;
-      const A sv = load<A>(s[off]);
-      const A d = a.from_y ? act_grad_from_y(a.act, sv, slope) : act_grad(a.act, sv, slope);
-      const T v = store<T>(load<A>(gy[off]) * d);
-      gz[off] = v;
-      g[r] = load<A>(v);
-    }
-  }
-}
+// V elements of T, moved as one 16-byte access when V == kVec<T>.
+template <class T, int V> struct alignas(sizeof(T) * V) Pack { T v[V]; };
 
-// Fixed-order warp sum (xor butterfly); lane 0's result is the one used.
+// Fixed-order warp sum (xor butterfly): every lane ends with the same bits.
 template <class A> __device__ __forceinline__ A warp_sum(A v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   return v;
 }
 
-// The tile's partial sums for the bias kind, computed the same way by both
-// paths. Per-col and scalar: the result is in `col` of the threads with
-// threadIdx.y == 0 (column x's sum over the tile's rows; scalar: lane 0 of
-// warp 0 holds the tile's total). Per-row: lane 0 of warp y holds in row[r]
-// the sum over the tile's columns of row y + 8r (no shared memory). Where
-// shared memory is used it ends with a barrier, so the caller may call it
-// again right away.
-template <class T>
-__device__ __forceinline__ void tile_partial(const DactArgs& a, int64_t b, int64_t tm, int64_t tn,
-                                             acc_t<T>& col, acc_t<T> (&row)[kRowsPerThread]) {
-  using A = acc_t<T>;
-  __shared__ A red[kRowLanes][kTileN];
-  A g[kRowsPerThread];
-  tile_gz<T>(a, b, tm, tn, g);
-  if (a.kind == BiasKind::kPerRow) {
-#pragma unroll
-    for (int r = 0; r < kRowsPerThread; ++r) row[r] = warp_sum(g[r]);
-    return;  // no shared memory used
-  }
-  A t = A(0);
-#pragma unroll
-  for (int r = 0; r < kRowsPerThread; ++r) t += g[r];
-  red[threadIdx.y][threadIdx.x] = t;
-  __syncthreads();
-  if (threadIdx.y == 0) {
-    A sum = A(0);
-#pragma unroll
-    for (int y = 0; y < kRowLanes; ++y) sum += red[y][threadIdx.x];
-    col = a.kind == BiasKind::kScalar ? warp_sum(sum) : sum;
-  }
-  __syncthreads();
-}
-
-// The last step of the scalar reduction: 256 running sums (lane t holds
-// the partials of tiles t, t+256, ... added in order) to one, fixed tree.
+// Fixed-order sum of one value per thread over the block; thread 0 gets it.
 template <class A> __device__ __forceinline__ A block_sum(A v) {
-  __shared__ A buf[kScalarLanes];
-  const int t = threadIdx.y * kTileN + threadIdx.x;
+  __shared__ A buf[kThreads];
+  const int t = threadIdx.y * kLanes + threadIdx.x;
   buf[t] = v;
   __syncthreads();
 #pragma unroll
-  for (int w = kScalarLanes / 2; w > 0; w >>= 1) {
+  for (int w = kThreads / 2; w > 0; w >>= 1) {
     if (t < w) buf[t] += buf[t + w];
     __syncthreads();
   }
-  return buf[0];
+  const A total = buf[0];
+  __syncthreads();  // buf may be reused right away
+  return total;
 }
 
-// ---------------------------------------------------------------------------
-// Two passes: all tiles in parallel (partials to scratch), then the sums.
-// ---------------------------------------------------------------------------
-
-template <class T>
+// One tile: gZ written, and the tile's partial bias sums to the workspace.
+// V: elements per thread along the row (n and the strides are multiples of V).
+template <class T, int V, Act kAct>
 __global__ void __launch_bounds__(kThreads) dact_tiles_kernel(const DactArgs a) {
   using A = acc_t<T>;
+  using P = Pack<T, V>;
+  __shared__ A red[kWarps][kLanes * V];  // per-col: the warps' column sums
   const int64_t tm = int64_t(blockIdx.x) / a.tiles_n, tn = int64_t(blockIdx.x) % a.tiles_n;
-  const int64_t per_batch = partials_per_batch(a);
+  const int64_t col = (tn * kLanes + threadIdx.x) * V;
+  const bool col_in = col < a.n;  // n % V == 0: the whole vector is in range
+  const A slope = A(a.slope);
+  const int64_t per_batch = partials_per_batch(a.kind, a.m, a.n, a.tiles_m, a.tiles_n);
   for (int64_t b = blockIdx.z; b < a.batch; b += gridDim.z) {
-    if (a.kind == BiasKind::kNone) {
-      A g[kRowsPerThread];
-      tile_gz<T>(a, b, tm, tn, g);
-      continue;
-    }
-    A col = A(0), row[kRowsPerThread];
-    tile_partial<T>(a, b, tm, tn, col, row);
-    A* p = static_cast<A*>(a.partials) + b * per_batch;
-    if (a.kind == BiasKind::kPerCol) {
-      const int64_t c = tn * kTileN + threadIdx.x;
-      if (threadIdx.y == 0 && c < a.n) p[tm * a.n + c] = col;
-    } else if (a.kind == BiasKind::kPerRow) {
-      if (threadIdx.x == 0)
+    const T* gy = static_cast<const T*>(a.gy) + b * a.stride_gy;
+    const T* s = static_cast<const T*>(a.s) + b * a.stride_s;
+    T* gz = static_cast<T*>(a.gz) + b * a.m * a.n;
+    A* part = a.kind == BiasKind::kNone ? nullptr : static_cast<A*>(a.partials) + b * per_batch;
+    A colsum[V];
 #pragma unroll
-        for (int r = 0; r < kRowsPerThread; ++r) {
-          const int64_t i = tm * kTileM + threadIdx.y + r * kRowLanes;
-          if (i < a.m) p[tn * a.m + i] = row[r];
+    for (int v = 0; v < V; ++v) colsum[v] = A(0);
+#pragma unroll 4
+    for (int r = 0; r < kRowsPerThread; ++r) {
+      const int64_t row = tm * kTileRows + threadIdx.y + r * kWarps;
+      A rowsum = A(0);
+      if (row < a.m && col_in) {
+        const int64_t off = row * a.n + col;
+        const P gv = *reinterpret_cast<const P*>(gy + off);
+        const P sv = *reinterpret_cast<const P*>(s + off);
+        P out;
+#pragma unroll
+        for (int v = 0; v < V; ++v) {
+          const A x = load<A>(sv.v[v]);
+          const A d = a.from_y ? act_grad_from_y(kAct, x, slope) : act_grad(kAct, x, slope);
+          out.v[v] = store<T>(load<A>(gv.v[v]) * d);
+          const A g = load<A>(out.v[v]);  // the bias gradient sums gZ as stored
+          colsum[v] += g;
+          rowsum += g;
         }
-    } else if (threadIdx.x == 0 && threadIdx.y == 0) {
-      p[tm * a.tiles_n + tn] = col;
+        *reinterpret_cast<P*>(gz + off) = out;
+      }
+      if (a.kind == BiasKind::kPerRow) {  // uniform branch: the whole warp takes it
+        rowsum = warp_sum(rowsum);
+        if (threadIdx.x == 0 && row < a.m) part[tn * a.m + row] = rowsum;
+      }
+    }
+    if (a.kind == BiasKind::kPerCol) {
+#pragma unroll
+      for (int v = 0; v < V; ++v) red[threadIdx.y][threadIdx.x * V + v] = colsum[v];
+      __syncthreads();
+      if (threadIdx.y == 0 && col_in) {
+#pragma unroll
+        for (int v = 0; v < V; ++v) {
+          A sum = A(0);
+#pragma unroll
+          for (int y = 0; y < kWarps; ++y) sum += red[y][threadIdx.x * V + v];
+          part[tm * a.n + col + v] = sum;
+        }
+      }
+      __syncthreads();  // red is reused by the next batch entry
+    } else if (a.kind == BiasKind::kScalar) {
+      A t = A(0);
+#pragma unroll
+      for (int v = 0; v < V; ++v) t += colsum[v];
+      t = block_sum(t);
+      if (threadIdx.x == 0 && threadIdx.y == 0) part[tm * a.tiles_n + tn] = t;
     }
   }
 }
@@ -178,9 +156,9 @@ __global__ void __launch_bounds__(kThreads) dact_tiles_kernel(const DactArgs a) 
 template <class T>
 __global__ void __launch_bounds__(kThreads) dact_sum_vector_kernel(const DactArgs a) {
   using A = acc_t<T>;
-  const int64_t len = bias_len(a), parts = a.kind == BiasKind::kPerCol ? a.tiles_m : a.tiles_n;
-  const int64_t per_batch = partials_per_batch(a);
-  const int64_t j = int64_t(blockIdx.x) * kThreads + threadIdx.y * kTileN + threadIdx.x;
+  const int64_t len = a.len, parts = a.kind == BiasKind::kPerCol ? a.tiles_m : a.tiles_n;
+  const int64_t per_batch = partials_per_batch(a.kind, a.m, a.n, a.tiles_m, a.tiles_n);
+  const int64_t j = int64_t(blockIdx.x) * kThreads + threadIdx.y * kLanes + threadIdx.x;
   if (j >= len) return;
   for (int64_t b = blockIdx.z; b < a.batch; b += gridDim.z) {
     const A* p = static_cast<const A*>(a.partials) + b * per_batch;
@@ -190,70 +168,19 @@ __global__ void __launch_bounds__(kThreads) dact_sum_vector_kernel(const DactArg
   }
 }
 
-// Scalar: one block per batch entry.
+// Scalar: one block per batch entry; lane t adds tiles t, t + 256, ... in
+// order, then a fixed tree adds the lanes.
 template <class T>
 __global__ void __launch_bounds__(kThreads) dact_sum_scalar_kernel(const DactArgs a) {
   using A = acc_t<T>;
   const int64_t parts = a.tiles_m * a.tiles_n;
-  const int t = threadIdx.y * kTileN + threadIdx.x;
+  const int t = threadIdx.y * kLanes + threadIdx.x;
   for (int64_t b = blockIdx.z; b < a.batch; b += gridDim.z) {
     const A* p = static_cast<const A*>(a.partials) + b * parts;
     A sum = A(0);
-    for (int64_t i = t; i < parts; i += kScalarLanes) sum += p[i];
+    for (int64_t i = t; i < parts; i += kThreads) sum += p[i];
     const A total = block_sum(sum);
     if (t == 0) static_cast<T*>(a.gbias)[b] = store<T>(total);
-    __syncthreads();  // buf is reused by the next batch entry
-  }
-}
-
-// ---------------------------------------------------------------------------
-// One pass without scratch: a block per output strip walks its tiles in order.
-// ---------------------------------------------------------------------------
-
-template <class T>
-__global__ void __launch_bounds__(kThreads) dact_strip_kernel(const DactArgs a) {
-  using A = acc_t<T>;
-  __shared__ A lanes[kScalarLanes];  // scalar: the 256 running sums of dact_sum_scalar_kernel
-  const int t = threadIdx.y * kTileN + threadIdx.x;
-  for (int64_t b = blockIdx.z; b < a.batch; b += gridDim.z) {
-    T* gbias = static_cast<T*>(a.gbias) + b * bias_len(a);
-    if (a.kind == BiasKind::kPerCol) {  // strip = 32 columns, all row tiles
-      const int64_t tn = blockIdx.x;
-      A sum = A(0), col = A(0), row[kRowsPerThread];
-      for (int64_t tm = 0; tm < a.tiles_m; ++tm) {
-        tile_partial<T>(a, b, tm, tn, col, row);
-        sum += col;
-      }
-      const int64_t c = tn * kTileN + threadIdx.x;
-      if (threadIdx.y == 0 && c < a.n) gbias[c] = store<T>(sum);
-    } else if (a.kind == BiasKind::kPerRow) {  // strip = 64 rows, all column tiles
-      const int64_t tm = blockIdx.x;
-      A sum[kRowsPerThread] = {}, col = A(0), row[kRowsPerThread];
-      for (int64_t tn = 0; tn < a.tiles_n; ++tn) {
-        tile_partial<T>(a, b, tm, tn, col, row);
-#pragma unroll
-        for (int r = 0; r < kRowsPerThread; ++r) sum[r] += row[r];
-      }
-      if (threadIdx.x == 0)
-#pragma unroll
-        for (int r = 0; r < kRowsPerThread; ++r) {
-          const int64_t i = tm * kTileM + threadIdx.y + r * kRowLanes;
-          if (i < a.m) gbias[i] = store<T>(sum[r]);
-        }
-    } else {  // scalar: one block walks every tile
-      lanes[t] = A(0);
-      __syncthreads();
-      A col = A(0), row[kRowsPerThread];
-      const int64_t parts = a.tiles_m * a.tiles_n;
-      for (int64_t i = 0; i < parts; ++i) {
-        tile_partial<T>(a, b, i / a.tiles_n, i % a.tiles_n, col, row);
-        if (t == 0) lanes[i % kScalarLanes] += col;
-      }
-      __syncthreads();
-      const A total = block_sum(lanes[t]);
-      if (t == 0) gbias[0] = store<T>(total);
-      __syncthreads();
-    }
   }
 }
 
@@ -261,55 +188,87 @@ __global__ void __launch_bounds__(kThreads) dact_strip_kernel(const DactArgs a) 
 
 unsigned grid_z(int64_t batch) { return unsigned(batch < 65535 ? batch : 65535); }
 
+template <class T, int V>
+ffi::Error launch_tiles(const DactArgs& a, Act act, unsigned tiles, cudaStream_t stream) {
+  const dim3 grid(tiles, 1, grid_z(a.batch)), block(kLanes, kWarps);
+  switch (act) {
+#define REGEMM_DACT_CASE(k) \
+  case k: dact_tiles_kernel<T, V, k><<<grid, block, 0, stream>>>(a); break;
+    REGEMM_DACT_CASE(Act::kNone) REGEMM_DACT_CASE(Act::kRelu) REGEMM_DACT_CASE(Act::kLeakyRelu)
+    REGEMM_DACT_CASE(Act::kGelu) REGEMM_DACT_CASE(Act::kGeluErf) REGEMM_DACT_CASE(Act::kSigmoid)
+    REGEMM_DACT_CASE(Act::kTanh) REGEMM_DACT_CASE(Act::kSilu)
+#undef REGEMM_DACT_CASE
+    default: return bad("backward epilogue: unknown activation");
+  }
+  REGEMM_LAUNCH_CHECK();
+  return ffi::Error::Success();
+}
+
+// 16-byte vectors when every row and batch entry starts on a 16-byte boundary.
+template <class T> bool vectorizable(const DactProblem& p, const DactOperands& o) {
+  constexpr int V = kVec<T>;
+  auto aligned = [](const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0; };
+  return p.n % V == 0 && p.stride_gy % V == 0 && p.stride_s % V == 0 && aligned(o.gy) && aligned(o.s) &&
+         aligned(o.gz);
+}
+
+template <class T> int64_t tile_cols(bool vec) { return int64_t(kLanes) * (vec ? kVec<T> : 1); }
+
 template <class T>
-ffi::Error run_t(DactArgs a, CudaRuntime& rt) {
+ffi::Error run_t(const DactProblem& p, const DactOperands& o, CudaRuntime& rt) {
   using A = acc_t<T>;
-  const dim3 block(kTileN, kRowLanes);
+  const bool vec = vectorizable<T>(p, o);
+  const BiasKind kind = o.gbias ? p.bias_kind : BiasKind::kNone;
+  DactArgs a{p.m, p.n, p.batch, p.stride_gy, p.stride_s,
+             (p.m + kTileRows - 1) / kTileRows, (p.n + tile_cols<T>(vec) - 1) / tile_cols<T>(vec),
+             bias_length(kind, p.m, p.n), o.gy, o.s, o.gz, o.gbias, /*partials=*/nullptr, p.slope, p.from_y, kind};
   const int64_t tiles = a.tiles_m * a.tiles_n;
   if (tiles > int64_t(0x7fffffff)) return bad("gY too large for the backward-epilogue grid");
-  if (a.kind != BiasKind::kNone) {
-    const size_t bytes = size_t(a.batch * partials_per_batch(a)) * sizeof(A);
-    if (auto e = rt.scratch_for_call(bytes, &a.partials); e.failure()) return e;
-    if (bytes > 0 && !a.partials) {  // capturing a CUDA graph: the scratch-free path
-      const int64_t strips = a.kind == BiasKind::kPerCol ? a.tiles_n : a.kind == BiasKind::kPerRow ? a.tiles_m : 1;
-      dact_strip_kernel<T><<<dim3(unsigned(strips), 1, grid_z(a.batch)), block, 0, rt.stream>>>(a);
-      REGEMM_LAUNCH_CHECK();
-      return ffi::Error::Success();
-    }
-  }
-  // Two passes. With no partials at all (M or N is 0) the second pass writes zeros.
+  const size_t bytes = size_t(a.batch * partials_per_batch(kind, a.m, a.n, a.tiles_m, a.tiles_n)) * sizeof(A);
+  if (auto e = rt.workspace(bytes, &a.partials); e.failure()) return e;
+  // With no tiles at all (M or N is 0) the sums below write zeros.
   if (tiles > 0) {
-    dact_tiles_kernel<T><<<dim3(unsigned(tiles), 1, grid_z(a.batch)), block, 0, rt.stream>>>(a);
-    REGEMM_LAUNCH_CHECK();
+    auto e = vec ? launch_tiles<T, kVec<T>>(a, p.act, unsigned(tiles), rt.stream)
+                 : launch_tiles<T, 1>(a, p.act, unsigned(tiles), rt.stream);
+    if (e.failure()) return e;
   }
-  const int64_t len = bias_len(a);
-  if (a.kind == BiasKind::kScalar) {
+  const dim3 block(kLanes, kWarps);
+  const int64_t len = a.len;
+  if (kind == BiasKind::kScalar) {
     dact_sum_scalar_kernel<T><<<dim3(1, 1, grid_z(a.batch)), block, 0, rt.stream>>>(a);
     REGEMM_LAUNCH_CHECK();
-  } else if (a.kind != BiasKind::kNone && len > 0) {
-    dact_sum_vector_kernel<T><<<dim3(unsigned((len + kThreads - 1) / kThreads), 1, grid_z(a.batch)), block, 0,
-                                rt.stream>>>(a);
+  } else if (kind != BiasKind::kNone && len > 0) {
+    const unsigned blocks = unsigned((len + kThreads - 1) / kThreads);
+    dact_sum_vector_kernel<T><<<dim3(blocks, 1, grid_z(a.batch)), block, 0, rt.stream>>>(a);
     REGEMM_LAUNCH_CHECK();
   }
   return ffi::Error::Success();
 }
 
 ffi::Error run_dact(const DactProblem& p, const DactOperands& o, CudaRuntime& rt) {
-  DactArgs a{p.m, p.n, p.batch, p.stride_gy, p.stride_s,
-             (p.m + kTileM - 1) / kTileM, (p.n + kTileN - 1) / kTileN,
-             o.gy, o.s, o.gz, o.gbias, /*partials=*/nullptr,
-             p.slope, p.act, p.from_y, o.gbias ? p.bias_kind : BiasKind::kNone};
   switch (p.dtype) {
-    case DType::kF32: return run_t<float>(a, rt);
-    case DType::kF64: return run_t<double>(a, rt);
-    case DType::kBF16: return run_t<bf16_t>(a, rt);
-    case DType::kF16: return run_t<f16_t>(a, rt);
+    case DType::kF32: return run_t<float>(p, o, rt);
+    case DType::kF64: return run_t<double>(p, o, rt);
+    case DType::kBF16: return run_t<bf16_t>(p, o, rt);
+    case DType::kF16: return run_t<f16_t>(p, o, rt);
   }
   return bad("backward epilogue: unsupported dtype");
+}
+
+template <class T> size_t workspace_t(int64_t m, int64_t n, int64_t batch, BiasKind kind) {
+  // The unvectorized tiles are the narrowest: the most partial sums.
+  const int64_t tiles_m = (m + kTileRows - 1) / kTileRows, tiles_n = (n + kLanes - 1) / kLanes;
+  return size_t(batch * partials_per_batch(kind, m, n, tiles_m, tiles_n)) * sizeof(acc_t<T>);
 }
 
 const Register<DactProblem, DactOperands, CudaRuntime> kRegister({
     "cuda_dact", 0, [](const DactProblem&) { return true; }, run_dact});
 
 }  // namespace
+
+size_t dact_workspace_bytes(DType t, int64_t m, int64_t n, int64_t batch, BiasKind kind) {
+  const size_t bytes = t == DType::kF64 ? workspace_t<double>(m, n, batch, kind) : workspace_t<float>(m, n, batch, kind);
+  return bytes == 0 ? 0 : bytes + kWorkspaceAlign;
+}
+
 }  // namespace regemm

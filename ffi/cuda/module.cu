@@ -1,32 +1,31 @@
 // The CUDA extension: the FFI handlers, bound once in handlers.h, instantiated
-// for the CUDA runtime (XLA's stream + scratch allocator) and exported to
-// Python as capsules, like the CPU module.
+// for the CUDA runtime (XLA's stream + the call's workspace) and exported to
+// Python as capsules, like the CPU module, with the workspace sizes the
+// lowering asks for (workspace.h).
 //
-// regemm_gemm declares the command-buffer trait: XLA may capture it into CUDA
-// graphs. That holds because nothing it enqueues outlives the graph's
-// resources: no host synchronisation, no allocation in the captured region
-// (scratch is skipped while capturing, see runtime.h), and the cuBLAS handle
-// is created under relaxed capture mode and never freed.
-// regemm_dact is capture-safe too, but without scratch its bias reduction runs
-// one block per 32-column strip: a 16-layer bf16 MLP's fwd+bwd took 35.1 ms
-// captured vs 6.9 ms uncaptured (H100). It is left to run outside the graphs,
-// with scratch, on the fast two-pass path.
+// Both handlers declare the command-buffer trait: XLA may capture them into
+// CUDA graphs. That holds because nothing they enqueue outlives the graph's
+// resources: no host synchronisation, no allocation (the workspace is an XLA
+// buffer), and the cuBLAS handle is created under relaxed capture mode and
+// never freed. The CUTLASS tuner does not time under capture (rule instead).
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
 
 #include "../regemm/handlers.h"
 #include "../regemm/module_util.h"
 #include "runtime.h"
+#include "workspace.h"
 
 namespace nb = nanobind;
 namespace ffi = xla::ffi;
 using regemm::CudaRuntime;
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(regemm_gemm_cuda,
-                              (regemm::gemm_handler<CudaRuntime, cudaStream_t, ffi::ScratchAllocator>),
+                              (regemm::gemm_handler<CudaRuntime, cudaStream_t>),
                               regemm::gemm_binding<CudaRuntime>(), {ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(regemm_dact_cuda,
-                              (regemm::dact_handler<CudaRuntime, cudaStream_t, ffi::ScratchAllocator>),
-                              regemm::dact_binding<CudaRuntime>());
+                              (regemm::dact_handler<CudaRuntime, cudaStream_t>),
+                              regemm::dact_binding<CudaRuntime>(), {ffi::Traits::kCmdBufferCompatible});
 
 NB_MODULE(_regemm_cuda, m) {
   m.def("registrations", [] {
@@ -40,7 +39,26 @@ NB_MODULE(_regemm_cuda, m) {
   m.def("command_buffer_compatible", [] {
     nb::list names;
     names.append("regemm_gemm");
+    names.append("regemm_dact");
     return names;
+  });
+  // Workspace bytes of a call (workspace.h); dtype by its jax_regemm name.
+  auto dtype = [](const std::string& name) {
+    regemm::DType t;
+    if (name == "float32") t = regemm::DType::kF32;
+    else if (name == "float64") t = regemm::DType::kF64;
+    else if (name == "bfloat16") t = regemm::DType::kBF16;
+    else if (name == "float16") t = regemm::DType::kF16;
+    else throw nb::value_error(("regemm: unsupported dtype " + name).c_str());
+    return t;
+  };
+  m.def("gemm_workspace_bytes",
+        [dtype](const std::string& t, int64_t k, int64_t n, int64_t batch_b, bool trans_a, bool trans_b,
+                bool exact_f32) { return regemm::gemm_workspace_bytes(dtype(t), k, n, batch_b, trans_a, trans_b, exact_f32); });
+  m.def("dact_workspace_bytes", [dtype](const std::string& t, int64_t m, int64_t n, int64_t batch, const std::string& kind) {
+    regemm::BiasKind k;
+    if (!regemm::parse_bias_kind(kind, &k)) throw nb::value_error(("regemm: unknown bias kind " + kind).c_str());
+    return regemm::dact_workspace_bytes(dtype(t), m, n, batch, k);
   });
   // Kernel calls so far that ran under CUDA-graph capture (a test hook).
   m.def("captured_calls", [] { return regemm::g_captured_calls.load(); });

@@ -1,16 +1,13 @@
-// What CUDA kernels get at run time: XLA's stream and its scratch allocator,
+// What CUDA kernels get at run time: XLA's stream and the call's workspace,
 // plus the error checks every CUDA call in this backend goes through.
 //
 // Rules the kernels follow (and why):
 // - Everything is enqueued on `stream`; nothing synchronises the host, so a
 //   handler returns as soon as its work is queued.
-// - No cudaMalloc per call: temporary device memory comes from XLA's scratch
-//   allocator, which is stream-ordered on XLA's stream.
-// - Scratch is NOT used while the stream is being captured into a CUDA graph
-//   (XLA command buffers trace the handler once and replay the graph): the
-//   allocation is freed when the handler returns, but the graph would keep its
-//   address for every replay. Kernels therefore have a scratch-free path, and
-//   `scratch_for_call` says which one to take.
+// - No device allocation per call: temporary device memory is the workspace
+//   buffer XLA allocates as one more result of the custom call (workspace.h
+//   says why not the FFI scratch allocator). So every handler may be captured
+//   into a CUDA graph and replayed.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -20,6 +17,7 @@
 #include <cstdint>
 #include <string>
 
+#include "workspace.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace regemm {
@@ -43,49 +41,56 @@ inline ffi::Error cuda_error(cudaError_t e, const char* what, const char* file, 
 // After every kernel launch: a bad configuration is reported here, not later.
 #define REGEMM_LAUNCH_CHECK() REGEMM_CUDA_CHECK(cudaGetLastError())
 
-// How many kernel calls found their stream being captured into a CUDA graph
-// (and took the scratch-free path): a test hook, exported by the module.
+// How many handler calls found their stream being captured into a CUDA graph:
+// a test hook, exported by the module.
 inline std::atomic<int64_t> g_captured_calls{0};
 
-// XLA's scratch allocator accepts alignments up to 16 bytes only; cuBLAS wants
-// 256 for its workspace. So every scratch request is padded and aligned here.
-constexpr size_t kScratchAlign = 256;
-
 struct CudaRuntime {
-  CudaRuntime(cudaStream_t s, ffi::ScratchAllocator& a) : stream(s), scratch(&a) {}
+  // `workspace`: the call's workspace result (workspace.h).
+  CudaRuntime(ffi::AnyBuffer workspace, cudaStream_t s)
+      : stream(s), base_(static_cast<char*>(workspace.untyped_data())), size_(workspace.size_bytes()) {}
 
   cudaStream_t stream;
-  ffi::ScratchAllocator* scratch;  // valid until the handler returns
 
   template <class B> static constexpr auto bind_ctx(B&& b) {
-    return std::move(b).template Ctx<ffi::PlatformStream<cudaStream_t>>().template Ctx<ffi::ScratchAllocator>();
+    return std::move(b).template Ctx<ffi::PlatformStream<cudaStream_t>>();
   }
 
-  // Whether the stream is being captured into a CUDA graph right now.
-  ffi::Error capturing(bool* out) const {
+  // Called once per handler call: counts calls made under CUDA-graph capture.
+  ffi::Error start() const {
     cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
     REGEMM_CUDA_CHECK(cudaStreamIsCapturing(stream, &status));
-    *out = status != cudaStreamCaptureStatusNone;
+    if (status != cudaStreamCaptureStatusNone) g_captured_calls.fetch_add(1, std::memory_order_relaxed);
     return ffi::Error::Success();
   }
 
-  // `bytes` of device scratch (256-byte aligned) for this call, or null while
-  // the stream is being captured (see the header comment): the caller then
-  // takes its scratch-free path.
-  ffi::Error scratch_for_call(size_t bytes, void** out) const {
-    *out = nullptr;
-    bool cap = false;
-    if (auto e = capturing(&cap); e.failure()) return e;
-    if (cap) g_captured_calls.fetch_add(1, std::memory_order_relaxed);
-    if (cap || bytes == 0) return ffi::Error::Success();
-    auto mem = scratch->Allocate(bytes + kScratchAlign, 16);
-    if (!mem.has_value() || *mem == nullptr)
-      return ffi::Error(ffi::ErrorCode::kResourceExhausted,
-                        "regemm: could not allocate " + std::to_string(bytes) + " bytes of scratch");
-    const uintptr_t p = reinterpret_cast<uintptr_t>(*mem);
-    *out = reinterpret_cast<void*>((p + kScratchAlign - 1) & ~uintptr_t(kScratchAlign - 1));
+  // The workspace's first `bytes` (kWorkspaceAlign-aligned), or null when
+  // they do not fit: for optional uses (a faster algorithm), which then do
+  // without. Every kernel launch may use the workspace from its start: the
+  // launches of a call are ordered on one stream. A user that needs two
+  // regions at once carves them out of one request.
+  void* take(size_t bytes) const {
+    if (bytes == 0 || !base_) return nullptr;
+    const uintptr_t b = reinterpret_cast<uintptr_t>(base_);
+    const uintptr_t p = (b + kWorkspaceAlign - 1) & ~uintptr_t(kWorkspaceAlign - 1);
+    return size_t(p - b) + bytes <= size_ ? reinterpret_cast<void*>(p) : nullptr;
+  }
+
+  // `bytes` the kernel cannot do without (null for 0 bytes); too little is a
+  // bug in the size the lowering asked for (workspace.h).
+  ffi::Error workspace(size_t bytes, void** out) const {
+    *out = take(bytes);
+    if (bytes > 0 && !*out)
+      return ffi::Error::Internal("regemm: the workspace of " + std::to_string(size_) + " bytes has no room for " +
+                                  std::to_string(bytes) + " (the lowering sized it: workspace.h)");
     return ffi::Error::Success();
   }
+
+ private:
+  char* base_;
+  size_t size_;
 };
+
+
 
 }  // namespace regemm

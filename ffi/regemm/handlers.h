@@ -1,8 +1,13 @@
 // The FFI binding pattern, written once for every platform: decode the
 // buffers and attributes, check them, build the problem, plan the batch, ask
 // the registry for a kernel and run it. A platform only supplies a Runtime
-// (what its kernels need at run time: a thread pool, or a stream and scratch)
-// and the context types XLA hands over to build it from.
+// (what its kernels need at run time: a thread pool, or a stream and the
+// workspace) and the context types XLA hands over to build it from.
+//
+// Every handler has one more result than the op: `workspace`, a byte buffer
+// that the lowering sizes per platform (0 bytes on the CPU; the CUDA
+// module's *_workspace_bytes functions say how much there). The Runtime is
+// built from it and the context.
 #pragma once
 
 #include <string>
@@ -71,7 +76,7 @@ inline ffi::Error check_operand(const char* name, const ffi::AnyBuffer& buf, int
 template <class Runtime, class... Ctx>
 ffi::Error gemm_handler(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer bias, ffi::AnyBuffer c,
                         ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> z,
-                        std::string_view act, double slope, double alpha, double beta, bool trans_a,
+                        ffi::Result<ffi::AnyBuffer> workspace, std::string_view act, double slope, double alpha, double beta, bool trans_a,
                         bool trans_b, std::string_view bias_kind, bool has_c, bool store_z,
                         bool exact_f32, Ctx... ctx) {
   GemmProblem p;
@@ -125,7 +130,8 @@ ffi::Error gemm_handler(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer bias,
 
   const auto* kernel = GemmRegistry<Runtime>::get().select(p);
   if (!kernel) return bad("no kernel supports this problem (dtype, act or layout)");
-  Runtime rt(ctx...);
+  Runtime rt(*workspace, ctx...);
+  if (auto e = rt.start(); e.failure()) return e;
   return plan->for_each_outer([&](const int64_t* off) {
     GemmOperands ops{at(a.untyped_data(), off[0], p.dtype),
                      at(b.untyped_data(), off[1], p.dtype),
@@ -146,6 +152,7 @@ constexpr auto gemm_binding() {
                                .template Arg<ffi::AnyBuffer>()  // c (size 0 when absent)
                                .template Ret<ffi::AnyBuffer>()  // y
                                .template Ret<ffi::AnyBuffer>()  // z (size 0 when not stored)
+                               .template Ret<ffi::AnyBuffer>()  // workspace (bytes; see the top)
                                .template Attr<std::string_view>("act")
                                .template Attr<double>("slope")
                                .template Attr<double>("alpha")
@@ -164,7 +171,8 @@ constexpr auto gemm_binding() {
 
 template <class Runtime, class... Ctx>
 ffi::Error dact_handler(ffi::AnyBuffer gy, ffi::AnyBuffer s, ffi::Result<ffi::AnyBuffer> gz,
-                        ffi::Result<ffi::AnyBuffer> gbias, std::string_view act, double slope,
+                        ffi::Result<ffi::AnyBuffer> gbias, ffi::Result<ffi::AnyBuffer> workspace,
+                        std::string_view act, double slope,
                         bool from_y, std::string_view bias_kind, Ctx... ctx) {
   DactProblem p;
   if (!parse_act(act, &p.act)) return bad("unknown activation '" + std::string(act) + "'");
@@ -193,7 +201,8 @@ ffi::Error dact_handler(ffi::AnyBuffer gy, ffi::AnyBuffer s, ffi::Result<ffi::An
 
   const auto* kernel = DactRegistry<Runtime>::get().select(p);
   if (!kernel) return bad("no backward-epilogue kernel supports this problem");
-  Runtime rt(ctx...);
+  Runtime rt(*workspace, ctx...);
+  if (auto e = rt.start(); e.failure()) return e;
   return plan->for_each_outer([&](const int64_t* off) {
     DactOperands ops{at(gy.untyped_data(), off[0], p.dtype), at(s.untyped_data(), off[1], p.dtype),
                      at(gz->untyped_data(), off[2], p.dtype),
@@ -209,6 +218,7 @@ constexpr auto dact_binding() {
                                .template Arg<ffi::AnyBuffer>()  // z or y
                                .template Ret<ffi::AnyBuffer>()  // gz
                                .template Ret<ffi::AnyBuffer>()  // gbias (size 0 when no bias)
+                               .template Ret<ffi::AnyBuffer>()  // workspace (bytes; see the top)
                                .template Attr<std::string_view>("act")
                                .template Attr<double>("slope")
                                .template Attr<bool>("from_y")
