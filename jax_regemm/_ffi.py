@@ -86,10 +86,13 @@ def _call_batch(args, dims, *, target, results, attrs):
     return _call_p.bind(*args, target=target, results=results, attrs=attrs), [0] * len(results)
 
 
+_WORKSPACE_DTYPES = ("float32", "float64", "bfloat16", "float16")
+
+
 def _workspace_bytes(platform, target, avals_in, attrs):
     """Bytes of workspace the target's handler needs on `platform` (ffi/cuda/workspace.h)."""
-    if platform != "cuda" or _regemm_cuda is None:
-        return 0
+    if platform != "cuda" or _regemm_cuda is None or np.dtype(avals_in[0].dtype).name not in _WORKSPACE_DTYPES:
+        return 0  # (an unsupported dtype: the handler says so, with the shapes)
     if target == "regemm_gemm":
         a, b = avals_in[:2]
         nb = a.ndim - 2

@@ -27,7 +27,11 @@ namespace {
 constexpr int kLanes = 32;                          // vectors of columns per tile = lanes of a warp
 constexpr int kWarps = 8;                           // warps per block, along rows
 constexpr int kThreads = kLanes * kWarps;           // 256
-constexpr int kTileRows = 128;                      // rows per tile
+// 128 rows per tile, one row at a time. Measured on the H100 against 64-row
+// tiles and against loading 4 rows before the first use (benchmarks/NOTES.md):
+// within 3% of the best of those everywhere; loading 4 rows at once made
+// the bf16 relu kernel 2x slower.
+constexpr int kTileRows = 128;
 constexpr int kRowsPerThread = kTileRows / kWarps;  // 16
 
 // Elements per 16-byte vector.
@@ -152,19 +156,32 @@ __global__ void __launch_bounds__(kThreads) dact_tiles_kernel(const DactArgs a) 
   }
 }
 
-// Per-col / per-row: one thread per bias element adds its partials in tile order.
+// Per-col / per-row: a block per 32 bias elements; warp w adds the partials
+// of tiles w, w + 8, ... in order, then the 8 warp sums are added in order.
+// (One thread per element walking all tiles was latency-bound: 28 us for
+// 16384 x 4096 bf16, a single block for N = 256.)
 template <class T>
 __global__ void __launch_bounds__(kThreads) dact_sum_vector_kernel(const DactArgs a) {
   using A = acc_t<T>;
+  __shared__ A red[kWarps][kLanes];
   const int64_t len = a.len, parts = a.kind == BiasKind::kPerCol ? a.tiles_m : a.tiles_n;
   const int64_t per_batch = partials_per_batch(a.kind, a.m, a.n, a.tiles_m, a.tiles_n);
-  const int64_t j = int64_t(blockIdx.x) * kThreads + threadIdx.y * kLanes + threadIdx.x;
-  if (j >= len) return;
+  const int64_t j = int64_t(blockIdx.x) * kLanes + threadIdx.x;
   for (int64_t b = blockIdx.z; b < a.batch; b += gridDim.z) {
     const A* p = static_cast<const A*>(a.partials) + b * per_batch;
     A sum = A(0);
-    for (int64_t t = 0; t < parts; ++t) sum += p[t * len + j];
-    static_cast<T*>(a.gbias)[b * len + j] = store<T>(sum);
+    if (j < len)
+#pragma unroll 4
+      for (int64_t t = threadIdx.y; t < parts; t += kWarps) sum += p[t * len + j];
+    red[threadIdx.y][threadIdx.x] = sum;
+    __syncthreads();
+    if (threadIdx.y == 0 && j < len) {
+      A total = A(0);
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) total += red[w][threadIdx.x];
+      static_cast<T*>(a.gbias)[b * len + j] = store<T>(total);
+    }
+    __syncthreads();  // red is reused by the next batch entry
   }
 }
 
@@ -238,7 +255,7 @@ ffi::Error run_t(const DactProblem& p, const DactOperands& o, CudaRuntime& rt) {
     dact_sum_scalar_kernel<T><<<dim3(1, 1, grid_z(a.batch)), block, 0, rt.stream>>>(a);
     REGEMM_LAUNCH_CHECK();
   } else if (kind != BiasKind::kNone && len > 0) {
-    const unsigned blocks = unsigned((len + kThreads - 1) / kThreads);
+    const unsigned blocks = unsigned((len + kLanes - 1) / kLanes);
     dact_sum_vector_kernel<T><<<dim3(blocks, 1, grid_z(a.batch)), block, 0, rt.stream>>>(a);
     REGEMM_LAUNCH_CHECK();
   }

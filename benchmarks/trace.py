@@ -1,0 +1,88 @@
+"""Where the device time of one jitted program goes: its kernels, in order,
+with their device time and the idle gaps between them (from the JAX
+profiler's GPU stream timeline, as devtime.py reads it). For the
+"two numbers" method: which kernel is off its floor, and how much is launch
+gaps.
+
+    python benchmarks/trace.py --shape 128:1024:1024 --dtype bf16 --act sigmoid --mode fwd_bwd
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bench_gpu import DTYPES, fwd_bwd, regemm_layer, xla_layer
+
+
+def trace(fn, args, repeats=5, pause_s=2e-3):
+    for _ in range(3):
+        jax.block_until_ready(fn(*args))
+    with tempfile.TemporaryDirectory() as d:
+        jax.profiler.start_trace(d)
+        for _ in range(repeats):
+            jax.block_until_ready(fn(*args))
+            time.sleep(pause_s)
+        jax.profiler.stop_trace()
+        pd = jax.profiler.ProfileData.from_file(glob.glob(f"{d}/**/*.xplane.pb", recursive=True)[0])
+    events = []
+    for plane in pd.planes:
+        if plane.name.startswith("/device:GPU"):
+            for line in plane.lines:
+                if line.name.startswith("Stream") or line.name == "XLA Ops":
+                    events += [(ev.start_ns, ev.end_ns, ev.name) for ev in line.events]
+    events.sort()
+    runs, cur = [], []
+    for e in events:  # split at the host's pauses
+        if cur and e[0] - max(x[1] for x in cur) > pause_s * 1e9 / 4:
+            runs.append(cur)
+            cur = []
+        cur.append(e)
+    runs.append(cur)
+    return runs[len(runs) // 2]  # a middle run
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--shape", default="128:1024:1024")
+    p.add_argument("--dtype", default="bf16")
+    p.add_argument("--act", default="relu")
+    p.add_argument("--mode", default="fwd_bwd")
+    p.add_argument("--impl", default="regemm,xla")
+    args = p.parse_args()
+    m, k, n = (int(v) for v in args.shape.split(":"))
+    dtype, precision = DTYPES[args.dtype]
+    ks = jax.random.split(jax.random.PRNGKey(0), 4)
+    x = jax.random.normal(ks[0], (m, k), dtype)
+    w = (jax.random.normal(ks[1], (k, n)) / np.sqrt(k)).astype(dtype)
+    b = (0.1 * jax.random.normal(ks[2], (n,))).astype(dtype)
+    gy = jax.random.normal(ks[3], (m, n), dtype)
+    for impl in args.impl.split(","):
+        layer = (regemm_layer if impl == "regemm" else xla_layer)(args.act)
+        if args.mode == "fwd":
+            fn, fargs = jax.jit(lambda x, w, b: layer(x, w, b, precision)), (x, w, b)
+        else:
+            g = fwd_bwd(layer)
+            fn, fargs = jax.jit(lambda x, w, b, gy: g(x, w, b, gy, precision)), (x, w, b, gy)
+        run = trace(fn, fargs)
+        t0, t1 = run[0][0], max(e[1] for e in run)
+        busy = collections.defaultdict(float)
+        print(f"== {impl} {args.shape} {args.dtype} {args.act} {args.mode}: {(t1 - t0) / 1e3:.1f} us, {len(run)} kernels")
+        end = t0
+        for s, e, name in run:
+            gap = (s - end) / 1e3
+            print(f"  +{gap:6.1f} gap  {(e - s) / 1e3:7.1f} us  {name[:110]}")
+            end = max(end, e)
+            busy[name[:60]] += (e - s) / 1e3
+        print(f"  kernels {sum(busy.values()):.1f} us of {(t1 - t0) / 1e3:.1f} us")
+
+
+if __name__ == "__main__":
+    main()
