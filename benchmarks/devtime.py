@@ -46,7 +46,7 @@ def _group_runs(spans, gap_ns):
     return runs
 
 
-def device_times_ms(cases, repeats=20, pause_s=2e-3):
+def device_times_ms(cases, repeats=20, pause_s=1e-2):
     """cases: {name: (jitted fn, [args tuple, ...])}; the arg sets are rotated so
     repeated runs do not just measure the L2 cache. Returns {name: median ms}.
 
@@ -70,6 +70,14 @@ def device_times_ms(cases, repeats=20, pause_s=2e-3):
             raise RuntimeError("the profiler wrote no xplane file")
         pd = jax.profiler.ProfileData.from_file(paths[0])
     runs = _group_runs(_kernel_spans(pd), gap_ns=int(pause_s * 1e9 / 4))
+    # A host stall inside a run (seen: one in 660 runs) splits it in two. The
+    # gaps between runs are all >= pause_s, so the smallest gaps are the
+    # spurious ones: merge those, at most one per 100 runs.
+    extra = len(runs) - len(cases) * repeats
+    if 0 < extra <= max(1, len(runs) // 100):
+        for _ in range(extra):
+            i = min(range(len(runs) - 1), key=lambda i: runs[i + 1][0] - runs[i][1])
+            runs[i : i + 2] = [[runs[i][0], max(runs[i][1], runs[i + 1][1])]]
     if len(runs) != len(cases) * repeats:
         raise RuntimeError(f"found {len(runs)} program runs on the GPU timeline, made {len(cases) * repeats}")
     result = {}

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import jax_regemm as rg
 from bench_gpu import DTYPES, fwd_bwd, regemm_layer, xla_layer
 
 
@@ -82,6 +83,9 @@ def main():
             end = max(end, e)
             busy[name[:60]] += (e - s) / 1e3
         print(f"  kernels {sum(busy.values()):.1f} us of {(t1 - t0) / 1e3:.1f} us")
+    cuda = rg._ffi._regemm_cuda
+    if cuda is not None:  # handler calls so far that XLA made under CUDA-graph capture
+        print(f"regemm calls captured into CUDA graphs so far: {cuda.captured_calls()}")
 
 
 if __name__ == "__main__":
