@@ -37,8 +37,10 @@ struct DeviceInfo {
 struct Launch {
   cudaStream_t stream = nullptr;
   DeviceInfo dev;
-  // Workspace of at least `bytes` (256-byte aligned) on the device, valid until
-  // the kernel is done (XLA's scratch allocator); null on failure.
+  // Workspace of at least `bytes` (256-byte aligned) on the device, or null.
+  // Every request is served from the same start (the call's workspace result,
+  // ffi/cuda/runtime.h): valid for the launch that asked, and on replays of a
+  // CUDA graph that captured it; a later request may reuse the memory.
   void* (*alloc)(void* ctx, size_t bytes) = nullptr;
   void* alloc_ctx = nullptr;
 };
