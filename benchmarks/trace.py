@@ -33,12 +33,17 @@ def trace(fn, args, repeats=5, pause_s=2e-3):
             time.sleep(pause_s)
         jax.profiler.stop_trace()
         pd = jax.profiler.ProfileData.from_file(glob.glob(f"{d}/**/*.xplane.pb", recursive=True)[0])
-    events = []
+    events, host = [], collections.defaultdict(float)
     for plane in pd.planes:
         if plane.name.startswith("/device:GPU"):
             for line in plane.lines:
                 if line.name.startswith("Stream") or line.name == "XLA Ops":
                     events += [(ev.start_ns, ev.end_ns, ev.name) for ev in line.events]
+        elif plane.name.startswith("/host"):  # host time per event name (XLA's thunks, CUDA API calls)
+            for line in plane.lines:
+                for ev in line.events:
+                    if ev.end_ns - ev.start_ns < pause_s * 1e9 / 2:
+                        host[f"{line.name[:20]}: {ev.name[:90]}"] += (ev.end_ns - ev.start_ns) / 1e3 / repeats
     events.sort()
     runs, cur = [], []
     for e in events:  # split at the host's pauses
@@ -47,7 +52,7 @@ def trace(fn, args, repeats=5, pause_s=2e-3):
             cur = []
         cur.append(e)
     runs.append(cur)
-    return runs[len(runs) // 2]  # a middle run
+    return runs[len(runs) // 2], host  # a middle run; host us per run
 
 
 def main():
@@ -57,6 +62,7 @@ def main():
     p.add_argument("--act", default="relu")
     p.add_argument("--mode", default="fwd_bwd")
     p.add_argument("--impl", default="regemm,xla")
+    p.add_argument("--host", action="store_true", help="also the host's time per event name (thunks, CUDA calls)")
     args = p.parse_args()
     m, k, n = (int(v) for v in args.shape.split(":"))
     dtype, precision = DTYPES[args.dtype]
@@ -72,7 +78,21 @@ def main():
         else:
             g = fwd_bwd(layer)
             fn, fargs = jax.jit(lambda x, w, b, gy: g(x, w, b, gy, precision)), (x, w, b, gy)
-        run = trace(fn, fargs)
+        run, host = trace(fn, fargs)
+        if args.host:  # back-to-back calls, no sync between: host-bound for small programs
+            jax.block_until_ready(fn(*fargs))
+            cuda = rg._ffi._regemm_cuda
+            h0 = cuda.host_time() if cuda is not None else (0, 0.0)
+            t = time.perf_counter()
+            for _ in range(200):
+                out = fn(*fargs)
+            jax.block_until_ready(out)
+            wall = (time.perf_counter() - t) / 200 * 1e6
+            h1 = cuda.host_time() if cuda is not None else (0, 0.0)
+            calls = (h1[0] - h0[0]) / 200
+            inside = (h1[1] - h0[1]) / 200 * 1e6
+            print(f"== {impl}: {wall:.1f} us per call back to back (wall); {calls:.0f} regemm handler calls, "
+                  f"{inside:.1f} us of host time inside them")
         t0, t1 = run[0][0], max(e[1] for e in run)
         busy = collections.defaultdict(float)
         print(f"== {impl} {args.shape} {args.dtype} {args.act} {args.mode}: {(t1 - t0) / 1e3:.1f} us, {len(run)} kernels")
@@ -83,6 +103,10 @@ def main():
             end = max(end, e)
             busy[name[:60]] += (e - s) / 1e3
         print(f"  kernels {sum(busy.values()):.1f} us of {(t1 - t0) / 1e3:.1f} us")
+        if args.host:
+            print("  host time per run, by event (top 30):")
+            for name, us in sorted(host.items(), key=lambda kv: -kv[1])[:30]:
+                print(f"    {us:8.1f} us  {name}")
     cuda = rg._ffi._regemm_cuda
     if cuda is not None:  # handler calls so far that XLA made under CUDA-graph capture
         print(f"regemm calls captured into CUDA graphs so far: {cuda.captured_calls()}")

@@ -3,7 +3,7 @@
 // buffers) without XLA: correctness of every epilogue combination and
 // per-configuration timing, independent of the FFI module.
 //
-//   nvcc -shared -Xcompiler -fPIC tests/cutlass_capi.cu ffi/cuda/cutlass_dispatch.cu ffi/cuda/cutlass_act_pass.cu \
+//   nvcc -shared -Xcompiler -fPIC tests/cutlass_capi.cu ffi/cuda/cutlass_dispatch.cu ffi/cuda/epilogue_pass.cu \
 //     <kernel objects> -o lib.so
 #include <cuda_runtime.h>
 

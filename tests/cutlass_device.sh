@@ -35,7 +35,7 @@ fi
 
 FLAGS="-std=c++17 -O3 -DNDEBUG --expt-relaxed-constexpr -gencode=arch=compute_90a,code=sm_90a -Xcompiler=-fPIC"
 LIB=/tmp/libregemm_cutlass_check.so
-nvcc $FLAGS -shared -Iffi/cuda tests/cutlass_capi.cu ffi/cuda/cutlass_dispatch.cu ffi/cuda/cutlass_act_pass.cu "$PRE"/cutlass_*.o -o $LIB 2>&1 | grep -v "warning #\|^$\|Remark" || true
+nvcc $FLAGS -shared -Iffi/cuda tests/cutlass_capi.cu ffi/cuda/cutlass_dispatch.cu ffi/cuda/epilogue_pass.cu "$PRE"/cutlass_*.o -o $LIB 2>&1 | grep -v "warning #\|^$\|Remark" || true
 [ -f $LIB ] || { echo "link failed"; exit 1; }
 echo "HGMMA instructions in the bf16 128x256 kernel: $(cuobjdump -sass "$PRE"/cutlass_bf16_ff_coop.o 2>/dev/null | grep -c HGMMA)"
 PYTHONUNBUFFERED=1 timeout "${CHECK_S:-200}" python3 tests/cutlass_check.py --lib $LIB --out "$OUT" "$@" 2>&1 | tee "$OUT/check.log"

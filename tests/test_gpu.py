@@ -171,6 +171,30 @@ def test_plain_gemm(trans, mode, backend, monkeypatch):
     assert rel(y2[0], y_ref[0]) < tol and rel(y2[1], -y_ref[0]) < tol
 
 
+@pytest.mark.parametrize("backend", ("cublas", "cuda_simt"))
+@pytest.mark.parametrize("mode", ("f32_exact", "f32", "f64"))
+def test_fused_f32_f64_backends(mode, backend, monkeypatch):
+    """f32/f64 problems with an epilogue: cuBLAS's GEMM + the epilogue pass (16-byte
+    vectors where N allows, single elements where not) and the SIMT kernel; every
+    activation, bias kinds and transposes cycled, a batch (vmap) sharing C and bias, Z."""
+    monkeypatch.setenv("REGEMM_BACKEND", backend)
+    dtype, precision, tol = MODES[mode]
+    for i, act in enumerate(ACTS):
+        kind, trans = KINDS[i % 4], TRANS[(i // 2) % 4]
+        m, n, k = ((33, 64, 17), (16, 7, 9))[i % 2]  # N = 64: vector path; N = 7: scalar
+        r = Rand(500 + i)
+        a, b, bias, c = operands(r, m, n, k, dtype, trans_a=trans[0], trans_b=trans[1], kind=kind, with_c=True,
+                                 batch=(2,))  # fmt: skip
+        c = c[0]  # shared by the batch (stride 0)
+        kw = dict(act=act, leaky_slope=0.1, alpha=0.75, beta=-1.25, trans_a=trans[0], trans_b=trans[1])
+        bk = None if kind == "none" else kind
+        y, z = jax.vmap(lambda a, b: rg.gemm_bias_act_fwd(a, b, bias, c=c, bias_kind=bk, precision=precision,
+                                                           **kw))(a, b)  # fmt: skip
+        for j in range(2):
+            y_ref, z_ref = reference(a[j], b[j], bias, c, kind=kind, **kw)
+            assert rel(y[j], y_ref) < tol and rel(z[j], z_ref) < tol, (act, kind, j, rel(y[j], y_ref), rel(z[j], z_ref))
+
+
 # ---------------------------------------------------------------------------
 # gradients: act x save policy, dtypes / bias kinds / transposes cycled
 # ---------------------------------------------------------------------------

@@ -50,7 +50,7 @@ set(_regemm_cutlass_src "${CMAKE_CURRENT_LIST_DIR}")
 # CUDA_ARCHITECTURES are. -DNDEBUG is not optional: without it ptxas serializes
 # the wgmma pipeline (warning C7510) and the kernels run 1.3-1.8x slower, so
 # ptxas warnings are errors here.
-add_library(regemm_cutlass OBJECT "${_regemm_cutlass_src}/cutlass_dispatch.cu" "${_regemm_cutlass_src}/cutlass_act_pass.cu")
+add_library(regemm_cutlass OBJECT "${_regemm_cutlass_src}/cutlass_dispatch.cu")
 set_target_properties(regemm_cutlass PROPERTIES CUDA_ARCHITECTURES OFF POSITION_INDEPENDENT_CODE ON)
 target_compile_features(regemm_cutlass PRIVATE cxx_std_17)
 target_compile_options(regemm_cutlass PRIVATE

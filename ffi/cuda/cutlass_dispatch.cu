@@ -147,7 +147,7 @@ bool forced_config(Config* c) {
 }
 
 // How a problem runs: a tile configuration, and whether a costly activation
-// is fused or a pass of its own after the GEMM (cutlass_act_pass.cu).
+// is fused or a pass of its own after the GEMM (epilogue_pass.h).
 struct Choice {
   Config config;
   bool split;
@@ -182,18 +182,19 @@ bool overlaps(const void* a, const void* b, int64_t bytes) {
   return x < y + bytes && y < x + bytes;
 }
 
-// One run of the GEMM with a choice: fused, or act none into Z's place (Y's
-// when Z is not stored) and then Y = act(that).
+// One run of the GEMM with a choice: fused, or Z (bias and C included) into
+// Y's place and then the activation as a pass over it, which also writes Z.
 Status execute(RunFn fn, Choice ch, const GemmProblem& p, const GemmOperands& o, const Launch& l) {
   if (!ch.split || !costly_act(p.act)) return launch(fn, p, o, l);
   GemmProblem q = p;
   q.act = Act::kNone;
   q.store_z = false;
   GemmOperands oq = o;
-  oq.y = p.store_z ? o.z : o.y;
   oq.z = nullptr;
   if (Status st = launch(fn, q, oq, l); !st.ok()) return st;
-  return act_pass(p.dtype, oq.y, o.y, p.batch * p.m * p.n, p.act, float(p.slope), l.stream, l.dev.sm_count);
+  if (const char* err = epilogue_pass(p, o, /*with_bias_c=*/false, /*fast_math=*/true, l.stream))
+    return {"activation pass launch", err};
+  return {};
 }
 
 // Times every built config (and, for a costly activation, fused vs split) on

@@ -16,6 +16,7 @@
 #pragma once
 
 #include "cutlass_kernels.h"
+#include "epilogue_pass.h"
 
 namespace regemm::cutlass_sm90 {
 
@@ -39,11 +40,5 @@ Status run(const GemmProblem& p, const GemmOperands& o, const Launch& l);
 // or the rule), without tuning, and whether the activation runs as a separate
 // pass (*split). For tests and benchmarks.
 Config peek_config(const GemmProblem& p, const DeviceInfo& dev, bool* split = nullptr);
-
-// dst = act(src) over `count` dense elements of type t (16-byte aligned
-// buffers; src == dst allowed): the activation as a pass of its own
-// (cutlass_act_pass.cu).
-Status act_pass(DType t, const void* src, void* dst, int64_t count, Act act, float slope, cudaStream_t stream,
-                int sms);
 
 }  // namespace regemm::cutlass_sm90

@@ -62,5 +62,7 @@ NB_MODULE(_regemm_cuda, m) {
   });
   // Kernel calls so far that ran under CUDA-graph capture (a test hook).
   m.def("captured_calls", [] { return regemm::g_captured_calls.load(); });
+  // (handler calls, seconds of host time in them) so far (runtime.h).
+  m.def("host_time", [] { return nb::make_tuple(regemm::g_host_calls.load(), regemm::g_host_ns.load() * 1e-9); });
   m.def("kernels", [] { return regemm::kernels_by_op<CudaRuntime>(); });
 }

@@ -13,6 +13,7 @@
 #include <cuda_runtime.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -45,10 +46,23 @@ inline ffi::Error cuda_error(cudaError_t e, const char* what, const char* file, 
 // a test hook, exported by the module.
 inline std::atomic<int64_t> g_captured_calls{0};
 
+// Host time of handler calls, from the runtime's construction (after the
+// arguments are checked) to its destruction (the work is queued): problem
+// setup, kernel choice, launches. A measuring hook (benchmarks/trace.py):
+// what an uncaptured custom call costs the host beyond XLA's own thunk.
+inline std::atomic<int64_t> g_host_calls{0}, g_host_ns{0};
+
 struct CudaRuntime {
   // `workspace`: the call's workspace result (workspace.h).
   CudaRuntime(ffi::AnyBuffer workspace, cudaStream_t s)
       : stream(s), base_(static_cast<char*>(workspace.untyped_data())), size_(workspace.size_bytes()) {}
+  CudaRuntime(const CudaRuntime&) = delete;
+  CudaRuntime& operator=(const CudaRuntime&) = delete;
+  ~CudaRuntime() {
+    const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0_);
+    g_host_ns.fetch_add(ns.count(), std::memory_order_relaxed);
+    g_host_calls.fetch_add(1, std::memory_order_relaxed);
+  }
 
   cudaStream_t stream;
 
@@ -89,6 +103,7 @@ struct CudaRuntime {
  private:
   char* base_;
   size_t size_;
+  std::chrono::steady_clock::time_point t0_ = std::chrono::steady_clock::now();
 };
 
 
