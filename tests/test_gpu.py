@@ -195,6 +195,22 @@ def test_fused_f32_f64_backends(mode, backend, monkeypatch):
             assert rel(y[j], y_ref) < tol and rel(z[j], z_ref) < tol, (act, kind, j, rel(y[j], y_ref), rel(z[j], z_ref))
 
 
+@pytest.mark.parametrize("mode", ("f32_exact", "f32"))
+@pytest.mark.parametrize("act", ("none", "relu"))
+def test_dense_layer_f32_cublaslt(act, mode, monkeypatch):
+    """f32 act none/relu with a per-column bias and no C or Z (the plain dense layer):
+    one cuBLASLt matmul with its BIAS / RELU_BIAS epilogue; every transpose, odd sizes."""
+    monkeypatch.setenv("REGEMM_BACKEND", "cublas")  # f32 TF32 would go to CUTLASS
+    dtype, precision, tol = MODES[mode]
+    for i, (trans, (m, n, k)) in enumerate(zip(TRANS, ((33, 64, 17), (129, 257, 65), (1, 7, 3), (64, 1, 128)))):
+        a, b, bias, _ = operands(Rand(700 + i), m, n, k, dtype, trans_a=trans[0], trans_b=trans[1], kind="per_col",
+                                 with_c=False)  # fmt: skip
+        kw = dict(act=act, alpha=0.75, trans_a=trans[0], trans_b=trans[1])
+        y = rg.gemm_bias_act(a, b, bias, precision=precision, **kw)
+        y_ref, _ = reference(a, b, bias, None, kind="per_col", **kw)
+        assert rel(y, y_ref) < tol, (trans, (m, n, k), rel(y, y_ref))
+
+
 # ---------------------------------------------------------------------------
 # gradients: act x save policy, dtypes / bias kinds / transposes cycled
 # ---------------------------------------------------------------------------
