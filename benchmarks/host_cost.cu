@@ -1,43 +1,59 @@
-// Host cost of the CUDA calls a regemm handler makes per call (no GPU work to
-// speak of): where the microseconds of an uncaptured custom call go.
-//   nvcc -O2 -std=c++17 -arch=sm_90a benchmarks/host_cost.cu -o /tmp/host_cost && /tmp/host_cost
+// Host cost per call of what a regemm handler does (no GPU work to speak of,
+// or small kernels): where the microseconds of an uncaptured custom call go.
+//  1. The CUDA calls one by one (2000 calls, mean).
+//  2. The GEMM paths outside XLA (200 calls back to back, below the launch
+//     queue's depth, mean): the CUTLASS dispatch (run(): rule or tuned choice,
+//     then the kernel's argument setup and launch), each CUTLASS kernel entry
+//     alone, and cuBLAS's two APIs for the plain backward GEMMs
+//     (cublasGemmStridedBatchedEx as the handler calls it, against
+//     cublasLtMatmul with descriptors and algorithm made once).
+//
+//   nvcc -std=c++17 -O3 -DNDEBUG --expt-relaxed-constexpr -gencode=arch=compute_90a,code=sm_90a \
+//     -Iffi/cuda benchmarks/host_cost.cu ffi/cuda/cutlass_dispatch.cu ffi/cuda/epilogue_pass.cu \
+//     .cutlass_prebuilt/cutlass_*.o -lcublas -lcublasLt -o /tmp/host_cost && /tmp/host_cost
+#include <cublasLt.h>
+#include <cublas_v2.h>
 #include <cuda.h>
 #include <cuda_runtime.h>
 
 #include <chrono>
 #include <cstdio>
 
+#include "../ffi/cuda/cutlass_dispatch.h"
+
+using namespace regemm;
+using namespace regemm::cutlass_sm90;
+
+namespace {
+
 __global__ void empty_kernel(int) {}
-__global__ void __cluster_dims__(2, 1, 1) cluster_kernel(int) {}
 
 template <class F>
-void time_it(const char* what, F f, int n = 2000) {
-  for (int i = 0; i < 50; ++i) f();
+void time_it(int n, const char* what, F f) {
+  for (int i = 0; i < n / 10; ++i) f();
   cudaDeviceSynchronize();
   auto t0 = std::chrono::steady_clock::now();
   for (int i = 0; i < n; ++i) f();
   auto t1 = std::chrono::steady_clock::now();
   cudaDeviceSynchronize();
-  printf("%8.2f us  %s\n", std::chrono::duration<double, std::micro>(t1 - t0).count() / n, what);
+  const cudaError_t e = cudaGetLastError();
+  printf("%8.2f us  %s%s%s\n", std::chrono::duration<double, std::micro>(t1 - t0).count() / n, what,
+         e == cudaSuccess ? "" : "  CUDA error: ", e == cudaSuccess ? "" : cudaGetErrorString(e));
 }
 
-int main() {
-  cudaStream_t s;
-  cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
-  void* buf;
-  cudaMalloc(&buf, 1 << 20);
-  time_it("cudaGetDevice", [] { int d; cudaGetDevice(&d); });
-  time_it("cudaStreamIsCapturing", [&] { cudaStreamCaptureStatus c; cudaStreamIsCapturing(s, &c); });
-  time_it("cudaGetDriverEntryPointByVersion(cuTensorMapEncodeTiled)", [] {
+void cuda_calls(cudaStream_t s, void* buf) {
+  time_it(2000, "cudaGetDevice", [] { int d; cudaGetDevice(&d); });
+  time_it(2000, "cudaStreamIsCapturing", [&] { cudaStreamCaptureStatus c; cudaStreamIsCapturing(s, &c); });
+  time_it(2000, "cudaGetDriverEntryPointByVersion(cuTensorMapEncodeTiled)", [] {
     void* p; cudaDriverEntryPointQueryResult q;
     cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &q);
   });
-  time_it("cudaFuncSetAttribute(max dyn smem)", [] {
+  time_it(2000, "cudaFuncSetAttribute(max dyn smem)", [] {
     cudaFuncSetAttribute(empty_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024);
   });
-  time_it("cudaMemsetAsync 4 KiB", [&] { cudaMemsetAsync(buf, 0, 4096, s); });
-  time_it("empty kernel <<<1, 32>>>", [&] { empty_kernel<<<1, 32, 0, s>>>(0); });
-  time_it("cudaLaunchKernelEx, cluster 2x1, 132 CTAs", [&] {
+  time_it(2000, "cudaMemsetAsync 4 KiB", [&] { cudaMemsetAsync(buf, 0, 4096, s); });
+  time_it(2000, "empty kernel <<<1, 32>>>", [&] { empty_kernel<<<1, 32, 0, s>>>(0); });
+  time_it(2000, "cudaLaunchKernelEx, cluster 2x1, 132 CTAs", [&] {
     cudaLaunchConfig_t cfg = {};
     cudaLaunchAttribute attr[1];
     attr[0].id = cudaLaunchAttributeClusterDimension;
@@ -47,10 +63,10 @@ int main() {
     int x = 0; args[0] = &x;
     cudaLaunchKernelExC(&cfg, (const void*)empty_kernel, args);
   });
-  time_it("cudaGetLastError", [] { cudaGetLastError(); });
+  time_it(2000, "cudaGetLastError", [] { cudaGetLastError(); });
   cudaEvent_t e;
   cudaEventCreateWithFlags(&e, cudaEventDisableTiming);
-  time_it("cudaEventRecord", [&] { cudaEventRecord(e, s); });
+  time_it(2000, "cudaEventRecord", [&] { cudaEventRecord(e, s); });
   // A TMA descriptor as CUTLASS builds one per operand (bf16 1024 x 1024, 64 x 128 box),
   // through the driver entry point as CUTLASS looks it up.
   void* fn = nullptr;
@@ -60,13 +76,106 @@ int main() {
                                               const cuuint64_t*, const cuuint32_t*, const cuuint32_t*,
                                               CUtensorMapInterleave, CUtensorMapSwizzle, CUtensorMapL2promotion,
                                               CUtensorMapFloatOOBfill)>(fn);
-  time_it("cuTensorMapEncodeTiled (bf16 1024x1024, box 64x128, 128B swizzle)", [&] {
+  time_it(2000, "cuTensorMapEncodeTiled (bf16 1024x1024, box 64x128, 128B swizzle)", [&] {
     alignas(64) CUtensorMap map;
     cuuint64_t dims[2] = {1024, 1024}, strides[1] = {2048};
     cuuint32_t box[2] = {64, 128}, es[2] = {1, 1};
     encode(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, buf, dims, strides, box, es, CU_TENSOR_MAP_INTERLEAVE_NONE,
            CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   });
-  printf("last error: %s\n", cudaGetErrorString(cudaGetLastError()));
+}
+
+constexpr size_t kWs = size_t(64) << 20;
+void* g_ws = nullptr;
+void* ws_alloc(void*, size_t bytes) { return bytes <= kWs ? g_ws : nullptr; }
+
+void gemm_paths(cudaStream_t s) {
+  const int64_t m = 128, n = 1024, k = 1024;
+  void *a, *b, *bias, *y, *z;
+  cudaMalloc(&a, m * k * 2); cudaMalloc(&b, k * n * 2); cudaMalloc(&bias, n * 2);
+  cudaMalloc(&y, m * n * 2); cudaMalloc(&z, m * n * 2); cudaMalloc(&g_ws, kWs);
+  cudaMemset(a, 0, m * k * 2); cudaMemset(b, 0, k * n * 2); cudaMemset(bias, 0, n * 2);
+
+  const DeviceInfo* dev = sm90_device();
+  if (!dev) { printf("no sm_90 device: GEMM paths skipped\n"); return; }
+  Launch l;
+  l.stream = s; l.dev = *dev; l.alloc = ws_alloc;
+  GemmProblem p;
+  p.dtype = DType::kBF16; p.m = m; p.n = n; p.k = k;
+  p.bias_kind = BiasKind::kPerCol;
+  GemmOperands o{a, b, bias, nullptr, y, nullptr};
+  for (Act act : {Act::kRelu, Act::kGelu}) {
+    p.act = act;
+    run(p, o, l);  // first sight: tunes
+    cudaDeviceSynchronize();
+    char what[128];
+    bool split = false;
+    const Config chosen = peek_config(p, *dev, &split);
+    snprintf(what, sizeof what, "cutlass run(), %s 128x1024x1024 bf16 (tuned: %s%s)", act == Act::kRelu ? "relu" : "gelu",
+             kConfigNames[int(chosen)], split ? "+split" : "");
+    time_it(200, what, [&] { run(p, o, l); });
+    for (int c = 0; c < kNumConfigs; ++c) {
+      RunFn fn = KernelTable::get().find(p.dtype, false, false, Config(c));
+      snprintf(what, sizeof what, "  kernel entry %s alone", kConfigNames[c]);
+      if (fn) time_it(200, what, [&] { fn(p, o, l); });
+    }
+  }
+
+  // Plain GEMM as the backward's dgrad: Y[m, k] = gZ[m, n] W[k, n]^T, column-major Y^T = W gZ^T.
+  cublasHandle_t h;
+  cublasCreate(&h);
+  cublasSetMathMode(h, cublasMath_t(CUBLAS_DEFAULT_MATH | CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION));
+  const float alpha = 1.0f, beta = 0.0f;
+  auto gemm_ex = [&] {
+    cublasGemmStridedBatchedEx_64(h, CUBLAS_OP_T, CUBLAS_OP_N, k, m, n, &alpha, b, CUDA_R_16BF, n, 0, y, CUDA_R_16BF,
+                                  n, 0, &beta, z, CUDA_R_16BF, k, 0, 1, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+  };
+  cublasSetStream(h, s);
+  cublasSetWorkspace(h, g_ws, size_t(32) << 20);
+  time_it(200, "cublasGemmStridedBatchedEx_64 (dgrad 128x1024x1024)", gemm_ex);
+  time_it(200, "  + cublasSetStream + cublasSetWorkspace (as the handler)", [&] {
+    cublasSetStream(h, s);
+    cublasSetWorkspace(h, g_ws, size_t(32) << 20);
+    gemm_ex();
+  });
+
+  cublasLtHandle_t lt;
+  cublasLtCreate(&lt);
+  cublasLtMatmulDesc_t op;
+  cublasLtMatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F);
+  cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
+  cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta);
+  cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb);
+  cublasLtMatrixLayout_t la, lb, lc;
+  cublasLtMatrixLayoutCreate(&la, CUDA_R_16BF, n, k, n);
+  cublasLtMatrixLayoutCreate(&lb, CUDA_R_16BF, n, m, n);
+  cublasLtMatrixLayoutCreate(&lc, CUDA_R_16BF, k, m, k);
+  cublasLtMatmulPreference_t pref;
+  cublasLtMatmulPreferenceCreate(&pref);
+  size_t wsb = size_t(32) << 20;
+  cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &wsb, sizeof wsb);
+  cublasLtMatmulHeuristicResult_t heur;
+  int found = 0;
+  cublasLtMatmulAlgoGetHeuristic(lt, op, la, lb, lc, lc, pref, 1, &heur, &found);
+  if (!found) { printf("no cuBLASLt algorithm\n"); return; }
+  time_it(200, "cublasLtMatmul, plan made once (dgrad 128x1024x1024)", [&] {
+    cublasLtMatmul(lt, op, &alpha, b, la, y, lb, &beta, z, lc, z, lc, &heur.algo, g_ws, wsb, s);
+  });
+  time_it(200, "  cublasLtMatmulAlgoGetHeuristic alone", [&] {
+    int f = 0;
+    cublasLtMatmulHeuristicResult_t r;
+    cublasLtMatmulAlgoGetHeuristic(lt, op, la, lb, lc, lc, pref, 1, &r, &f);
+  });
+}
+
+}  // namespace
+
+int main() {
+  cudaStream_t s;
+  cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+  void* buf;
+  cudaMalloc(&buf, 1 << 20);
+  cuda_calls(s, buf);
+  gemm_paths(s);
   return 0;
 }

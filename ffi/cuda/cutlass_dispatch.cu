@@ -9,6 +9,8 @@
 #include <mutex>
 #include <tuple>
 
+#include "pack.h"
+
 namespace regemm::cutlass_sm90 {
 namespace {
 
@@ -74,7 +76,6 @@ bool can_run(const GemmProblem& p) {
 }
 
 bool can_launch(const GemmProblem& p, const GemmOperands& o) {
-  auto aligned16 = [](const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0; };
   return aligned16(o.a) && aligned16(o.b) && aligned16(o.y) && (!p.store_z || aligned16(o.z)) &&
          (!p.has_c || aligned16(o.c));
 }

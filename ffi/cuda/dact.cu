@@ -18,6 +18,7 @@
 #include <cstdint>
 
 #include "../regemm/handlers.h"
+#include "pack.h"
 #include "runtime.h"
 #include "workspace.h"
 
@@ -35,7 +36,6 @@ constexpr int kTileRows = 128;
 constexpr int kRowsPerThread = kTileRows / kWarps;  // 16
 
 // Elements per 16-byte vector.
-template <class T> constexpr int kVec = int(16 / sizeof(T));
 
 struct DactArgs {
   int64_t m, n, batch, stride_gy, stride_s, tiles_m, tiles_n;
@@ -60,9 +60,6 @@ __host__ __device__ int64_t partials_per_batch(BiasKind kind, int64_t m, int64_t
     default: return 0;
   }
 }
-
-// V elements of T, moved as one 16-byte access when V == kVec<T>.
-template <class T, int V> struct alignas(sizeof(T) * V) Pack { T v[V]; };
 
 // Fixed-order warp sum (xor butterfly): every lane ends with the same bits.
 template <class A> __device__ __forceinline__ A warp_sum(A v) {
@@ -224,9 +221,8 @@ ffi::Error launch_tiles(const DactArgs& a, Act act, unsigned tiles, cudaStream_t
 // 16-byte vectors when every row and batch entry starts on a 16-byte boundary.
 template <class T> bool vectorizable(const DactProblem& p, const DactOperands& o) {
   constexpr int V = kVec<T>;
-  auto aligned = [](const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0; };
-  return p.n % V == 0 && p.stride_gy % V == 0 && p.stride_s % V == 0 && aligned(o.gy) && aligned(o.s) &&
-         aligned(o.gz);
+  return p.n % V == 0 && p.stride_gy % V == 0 && p.stride_s % V == 0 && aligned16(o.gy) && aligned16(o.s) &&
+         aligned16(o.gz);
 }
 
 template <class T> int64_t tile_cols(bool vec) { return int64_t(kLanes) * (vec ? kVec<T> : 1); }

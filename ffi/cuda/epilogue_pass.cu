@@ -11,6 +11,7 @@
 #include "../regemm/activation.h"
 #include "../regemm/numeric.h"
 #include "epilogue_pass.h"
+#include "pack.h"
 
 namespace regemm {
 namespace {
@@ -25,15 +26,10 @@ struct PassArgs {
   BiasKind bias_kind;
 };
 
-template <class T, int V>
-struct alignas(sizeof(T) * V) Vec {
-  T v[V];
-};
-
 template <class T, int V, Act A, class M>
 __global__ void __launch_bounds__(256) epilogue_kernel(const PassArgs a) {
   using F = acc_t<T>;
-  using W = Vec<T, V>;
+  using W = Pack<T, V>;
   const int64_t col = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * V;
   if (col >= a.n) return;
   const F beta = F(a.beta), slope = F(a.slope);
@@ -99,11 +95,9 @@ cudaError_t launch_v(const PassArgs& a, Act act, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
-
 template <class T, class M>
 cudaError_t launch_t(const PassArgs& a, Act act, cudaStream_t stream) {
-  constexpr int V = 16 / int(sizeof(T));
+  constexpr int V = kVec<T>;
   // Vectors need every row start (n), C's batch stride and the buffers on 16 bytes.
   const bool vec = a.n % V == 0 && (!a.c || a.stride_c % V == 0) && aligned16(a.y) && (!a.z || aligned16(a.z)) &&
                    (!a.c || aligned16(a.c));

@@ -42,14 +42,10 @@ NB_MODULE(_regemm_cuda, m) {
     names.append("regemm_dact");
     return names;
   });
-  // Workspace bytes of a call (workspace.h); dtype by its jax_regemm name.
+  // Workspace bytes of a call (workspace.h); dtype by its NumPy name.
   auto dtype = [](const std::string& name) {
     regemm::DType t;
-    if (name == "float32") t = regemm::DType::kF32;
-    else if (name == "float64") t = regemm::DType::kF64;
-    else if (name == "bfloat16") t = regemm::DType::kBF16;
-    else if (name == "float16") t = regemm::DType::kF16;
-    else throw nb::value_error(("regemm: unsupported dtype " + name).c_str());
+    if (!regemm::parse_dtype(name, &t)) throw nb::value_error(("regemm: unsupported dtype " + name).c_str());
     return t;
   };
   m.def("gemm_workspace_bytes",

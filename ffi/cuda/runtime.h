@@ -106,6 +106,4 @@ struct CudaRuntime {
   std::chrono::steady_clock::time_point t0_ = std::chrono::steady_clock::now();
 };
 
-
-
 }  // namespace regemm

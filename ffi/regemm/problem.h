@@ -11,6 +11,14 @@
 namespace regemm {
 
 enum class DType : int { kF32, kF64, kBF16, kF16 };
+// Names as NumPy spells them (what Python passes to the module's functions).
+inline constexpr std::string_view kDTypeNames[] = {"float32", "float64", "bfloat16", "float16"};
+
+inline bool parse_dtype(std::string_view name, DType* t) {
+  for (int i = 0; i < 4; ++i)
+    if (kDTypeNames[i] == name) { *t = DType(i); return true; }
+  return false;
+}
 
 // Where the bias broadcasts from (SPEC §2). The names are the Python API's.
 enum class BiasKind : int { kNone, kScalar, kPerRow, kPerCol };
