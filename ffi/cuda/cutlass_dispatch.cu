@@ -242,7 +242,7 @@ Choice rule_choice(const GemmProblem& p, const DeviceInfo& dev) {
   return {rule_config(p, dev, p.dtype, p.trans_a, p.trans_b), fs == 1};
 }
 
-Choice choose(const GemmProblem& p, const GemmOperands& o, const Launch& l, bool capturing) {
+Choice choose(const GemmProblem& p, const GemmOperands& o, const Launch& l) {
   Config c;
   if (forced_config(&c) && KernelTable::get().find(p.dtype, p.trans_a, p.trans_b, c)) return {c, forced_split() == 1};
   const TuneKey key = tune_key(p);
@@ -251,7 +251,7 @@ Choice choose(const GemmProblem& p, const GemmOperands& o, const Launch& l, bool
     if (auto it = g_tuned.find(key); it != g_tuned.end()) return it->second;
   }
   Choice ch;
-  if (capturing || env_off("REGEMM_CUTLASS_TUNE") || !tune(p, o, l, &ch)) return rule_choice(p, l.dev);
+  if (l.capturing || env_off("REGEMM_CUTLASS_TUNE") || !tune(p, o, l, &ch)) return rule_choice(p, l.dev);
   std::lock_guard<std::mutex> lock(g_tune_mu);
   g_tuned.emplace(key, ch);
   return ch;
@@ -304,8 +304,27 @@ bool f32_transpose_b(const GemmProblem& p) {
   return !(v && std::strcmp(v, "swap") == 0) && KernelTable::get().find(DType::kF32, false, true, Config::kPing128x128);
 }
 
-Status run_config(const GemmProblem& p, const GemmOperands& o, const Launch& l, bool capturing) {
-  Choice ch = choose(p, o, l, capturing);
+// B^T for the kernel, as a Launch::before hook: enqueued by the first launch
+// of the call, after its host setup (so the GPU does not wait for the host
+// between the transpose and the GEMM), and not again for later launches.
+struct TransposeB {
+  const float* b;
+  float* bt;
+  int64_t k, n, stride_b, batch;
+  bool done = false;
+  static Status launch(void* ctx, cudaStream_t stream) {
+    auto* t = static_cast<TransposeB*>(ctx);
+    if (t->done) return {};
+    const dim3 grid(unsigned(ceil_div(t->n, 32)), unsigned(ceil_div(t->k, 32)), unsigned(t->batch));
+    transpose_f32<<<grid, dim3(32, 8), 0, stream>>>(t->b, t->bt, t->k, t->n, t->stride_b, t->k * t->n);
+    if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return {"transpose launch", cudaGetErrorString(e)};
+    t->done = true;
+    return {};
+  }
+};
+
+Status run_config(const GemmProblem& p, const GemmOperands& o, const Launch& l) {
+  Choice ch = choose(p, o, l);
   RunFn fn = KernelTable::get().find(p.dtype, p.trans_a, p.trans_b, ch.config);
   if (!fn) return {"dispatch", "no kernel built for this dtype and layout"};
   Status st = execute(fn, ch, p, o, l);
@@ -334,32 +353,27 @@ void* alloc_after_bt(void* ctx, size_t bytes) {
 }  // namespace
 
 Status run(const GemmProblem& p, const GemmOperands& o, const Launch& l) {
-  // Under CUDA-graph capture: no timing (the rule chooses).
-  cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
-  if (cudaStreamIsCapturing(l.stream, &cs) != cudaSuccess) return {"cudaStreamIsCapturing", cudaGetErrorString(cudaGetLastError())};
-  const bool capturing = cs != cudaStreamCaptureStatusNone;
   if (f32_transpose_b(p) && l.alloc) {
     const int64_t nb = p.batch > 1 && p.stride_b != 0 ? p.batch : 1;
     const size_t bt_bytes = size_t(p.k * p.n * nb) * sizeof(float);
-    void* bt = l.alloc(l.alloc_ctx, bt_bytes);
-    const dim3 grid(unsigned(ceil_div(p.n, 32)), unsigned(ceil_div(p.k, 32)), unsigned(nb));
-    if (bt && grid.y <= 65535 && grid.z <= 65535) {
-      transpose_f32<<<grid, dim3(32, 8), 0, l.stream>>>(static_cast<const float*>(o.b), static_cast<float*>(bt), p.k,
-                                                        p.n, p.stride_b, p.k * p.n);
-      if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return {"transpose launch", cudaGetErrorString(e)};
+    TransposeB t{static_cast<const float*>(o.b), static_cast<float*>(l.alloc(l.alloc_ctx, bt_bytes)), p.k, p.n,
+                 p.stride_b, nb};
+    if (t.bt && ceil_div(p.k, 32) <= 65535 && nb <= 65535) {
       GemmProblem q = p;
       q.trans_b = true;
       q.stride_b = nb > 1 ? p.k * p.n : 0;
       GemmOperands ob = o;
-      ob.b = bt;
+      ob.b = t.bt;
       AfterBt after{l, (bt_bytes + 255) & ~size_t(255)};
       Launch lq = l;
       lq.alloc = alloc_after_bt;
       lq.alloc_ctx = &after;
-      return run_config(q, ob, lq, capturing);
+      lq.before = TransposeB::launch;
+      lq.before_ctx = &t;
+      return run_config(q, ob, lq);
     }
   }
-  return run_config(p, o, l, capturing);
+  return run_config(p, o, l);
 }
 
 }  // namespace regemm::cutlass_sm90

@@ -32,8 +32,9 @@ bool can_run(const GemmProblem& p);
 bool can_launch(const GemmProblem& p, const GemmOperands& o);
 
 // Picks the configuration (forced, tuned or by rule) and launches it. Under
-// CUDA-graph capture it does not tune. l.alloc's memory must stay valid for
-// as long as the work it is used for may run (replays of a graph included).
+// CUDA-graph capture (l.capturing) it does not tune. l.alloc's memory must
+// stay valid for as long as the work it is used for may run (replays of a
+// graph included).
 Status run(const GemmProblem& p, const GemmOperands& o, const Launch& l);
 
 // The configuration run() would use now for p (forced, cached tuning result,

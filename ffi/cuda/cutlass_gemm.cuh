@@ -19,13 +19,15 @@
 
 #include <cuda_runtime.h>
 
+#include <atomic>
+#include <cstdint>
 #include <type_traits>
 
 #include "cute/tensor.hpp"
 #include "cutlass/cutlass.h"
+#include "cutlass/device_kernel.h"
 #include "cutlass/epilogue/collective/collective_builder.hpp"
 #include "cutlass/gemm/collective/collective_builder.hpp"
-#include "cutlass/gemm/device/gemm_universal_adapter.h"
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
 #include "cutlass/gemm/kernel/tile_scheduler.hpp"
 #include "cutlass_epilogue.cuh"
@@ -93,7 +95,6 @@ struct GemmType {
 
   using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, CollectiveMainloop,
                                                       CollectiveEpilogue, typename Cfg::Scheduler>;
-  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 };
 
 // A rank-3 CuTe stride (rows, cols, batch) with one static unit mode: the
@@ -109,10 +110,53 @@ S make_stride3(int64_t ld, int64_t batch) {
   return s;
 }
 
+// The kernel's dynamic shared memory above 48 KB must be allowed once per
+// device (CUTLASS's initialize() asks on every call: a CUDA call per launch).
+template <class K>
+Status allow_shared_memory(int device) {
+  static std::atomic<uint64_t> done{0};  // bit d: device d (devices >= 64: every call)
+  const uint64_t bit = device >= 0 && device < 64 ? uint64_t(1) << device : 0;
+  if (bit && (done.load(std::memory_order_relaxed) & bit)) return {};
+  const cudaError_t e = cudaFuncSetAttribute(cutlass::device_kernel<K>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                             int(K::SharedStorageSize));
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    return {"cudaFuncSetAttribute", cudaGetErrorString(e)};
+  }
+  done.fetch_or(bit, std::memory_order_relaxed);
+  return {};
+}
+
+// One cudaLaunchKernelEx with the kernel's cluster shape (what CUTLASS's
+// ClusterLauncher does, less its cudaFuncSetAttribute on every launch: the
+// clusters here are at most 2 CTAs, within the portable size).
+template <class K>
+Status launch_kernel(typename K::Params& params, cudaStream_t stream) {
+  using Cluster = typename K::DispatchPolicy::ClusterShape;
+  cudaLaunchAttribute cluster;
+  cluster.id = cudaLaunchAttributeClusterDimension;
+  cluster.val.clusterDim.x = unsigned(cute::size<0>(Cluster{}));
+  cluster.val.clusterDim.y = unsigned(cute::size<1>(Cluster{}));
+  cluster.val.clusterDim.z = unsigned(cute::size<2>(Cluster{}));
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = K::get_grid_shape(params);
+  cfg.blockDim = K::get_block_shape();
+  cfg.dynamicSmemBytes = size_t(K::SharedStorageSize);
+  cfg.stream = stream;
+  cfg.attrs = &cluster;
+  cfg.numAttrs = 1;
+  void* kernel_args[] = {&params};
+  const cudaError_t e = cudaLaunchKernelExC(&cfg, reinterpret_cast<const void*>(&cutlass::device_kernel<K>), kernel_args);
+  if (e != cudaSuccess) {
+    cudaGetLastError();  // clear it: the status reports it
+    return {"launch", cudaGetErrorString(e)};
+  }
+  return {};
+}
+
 template <DType D, bool TA, bool TB, Config C>
 Status run_gemm(const GemmProblem& p, const GemmOperands& o, const Launch& l) {
   using G = GemmType<D, TA, TB, C>;
-  using Gemm = typename G::Gemm;
   using T = typename G::T;
   using K = typename G::Kernel;
 
@@ -159,28 +203,35 @@ Status run_gemm(const GemmProblem& p, const GemmOperands& o, const Launch& l) {
   hw.device_id = l.dev.device;
   hw.sm_count = l.dev.sm_count;
 
-  typename Gemm::Arguments args{
+  typename K::Arguments args{
       cutlass::gemm::GemmUniversalMode::kGemm,
       {int(km), int(kn), int(p.k), int(p.batch)},
       {static_cast<const T*>(ka), sa, static_cast<const T*>(kb), sb},
       {fa, static_cast<const T*>(c_ptr), sc, static_cast<T*>(o.y), sd},
       hw};
 
-  Gemm gemm;
-  cutlass::Status st = gemm.can_implement(args);
-  if (st != cutlass::Status::kSuccess) return {"can_implement", cutlassGetStatusString(st)};
-  const size_t ws_bytes = Gemm::get_workspace_size(args);
+  // Host work first (argument checks, TMA descriptors, the shared-memory
+  // limit), then the device work back to back: whatever `before` enqueues,
+  // the workspace initialisation (stream-K's memset), the kernel. CUTLASS's
+  // Gemm::initialize() memsets first and builds the descriptors after, which
+  // left the GPU idle for the whole host setup between the two (device spans
+  // of small stream-K calls: 80-90 us against a 12 us kernel).
+  if (!K::can_implement(args)) return {"can_implement", "CUTLASS cannot run this problem"};
+  const size_t ws_bytes = K::get_workspace_size(args);
   void* ws = nullptr;
   if (ws_bytes > 0) {
     ws = l.alloc ? l.alloc(l.alloc_ctx, ws_bytes) : nullptr;
     if (!ws) return {"workspace", "allocation failed"};
   }
-  st = gemm.initialize(args, ws, l.stream);
-  if (st != cutlass::Status::kSuccess) return {"initialize", cutlassGetStatusString(st)};
-  st = gemm.run(l.stream);
-  if (st != cutlass::Status::kSuccess) return {"run", cutlassGetStatusString(st)};
-  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return {"launch", cudaGetErrorString(e)};
-  return {};
+  typename K::Params params = K::to_underlying_arguments(args, ws);
+  if (Status st = allow_shared_memory<K>(l.dev.device); !st.ok()) return st;
+  if (l.before)
+    if (Status st = l.before(l.before_ctx, l.stream); !st.ok()) return st;
+  if (cutlass::Status cs = K::initialize_workspace(args, ws, l.stream); cs != cutlass::Status::kSuccess) {
+    cudaGetLastError();  // a failed memset sets it; the status says so
+    return {"initialize_workspace", cutlassGetStatusString(cs)};
+  }
+  return launch_kernel<K>(params, l.stream);
 }
 
 }  // namespace regemm::cutlass_sm90

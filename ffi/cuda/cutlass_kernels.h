@@ -34,22 +34,33 @@ struct DeviceInfo {
   int sm_count = 0;
 };
 
+// ok() or where it failed (static strings: no allocation on the error path).
+struct Status {
+  const char* stage = nullptr;
+  const char* detail = nullptr;
+  bool ok() const { return stage == nullptr; }
+};
+
+// What run_gemm needs besides the problem. It does all of its host-side work
+// (arguments, TMA descriptors) before it enqueues anything, so that the GPU
+// never waits between a call's first and last piece of work for the host:
+// `before` (work the kernel's inputs depend on) and the kernel's own
+// workspace initialisation go right before the launch.
 struct Launch {
   cudaStream_t stream = nullptr;
+  bool capturing = false;  // the stream is being captured into a CUDA graph
   DeviceInfo dev;
+  // Device work the kernel's inputs depend on, enqueued by every kernel
+  // launch right before its own work: `before` must do its work once and
+  // nothing on later calls (a batch loop or the tuner launch many times).
+  Status (*before)(void* ctx, cudaStream_t stream) = nullptr;
+  void* before_ctx = nullptr;
   // Workspace of at least `bytes` (256-byte aligned) on the device, or null.
   // Every request is served from the same start (the call's workspace result,
   // ffi/cuda/runtime.h): valid for the launch that asked, and on replays of a
   // CUDA graph that captured it; a later request may reuse the memory.
   void* (*alloc)(void* ctx, size_t bytes) = nullptr;
   void* alloc_ctx = nullptr;
-};
-
-// ok() or where it failed (static strings: no allocation on the error path).
-struct Status {
-  const char* stage = nullptr;
-  const char* detail = nullptr;
-  bool ok() const { return stage == nullptr; }
 };
 
 using RunFn = Status (*)(const GemmProblem&, const GemmOperands&, const Launch&);

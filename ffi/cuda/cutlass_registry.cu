@@ -38,6 +38,7 @@ ffi::Error run_entry(const GemmProblem& p, const GemmOperands& o, CudaRuntime& r
   if (!dev || !can_launch(p, o)) return run_elsewhere(p, o, rt);
   Launch l;
   l.stream = rt.stream;
+  l.capturing = rt.capturing;
   l.dev = *dev;
   l.alloc = workspace_alloc;
   l.alloc_ctx = &rt;

@@ -70,11 +70,17 @@ struct CudaRuntime {
     return std::move(b).template Ctx<ffi::PlatformStream<cudaStream_t>>();
   }
 
-  // Called once per handler call: counts calls made under CUDA-graph capture.
-  ffi::Error start() const {
+  // Whether XLA is capturing `stream` into a CUDA graph (set by start()):
+  // then nothing may be timed or synchronised.
+  bool capturing = false;
+
+  // Called once per handler call: asks whether the stream is being captured
+  // (the one capture query of the call) and counts the captured calls.
+  ffi::Error start() {
     cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
     REGEMM_CUDA_CHECK(cudaStreamIsCapturing(stream, &status));
-    if (status != cudaStreamCaptureStatusNone) g_captured_calls.fetch_add(1, std::memory_order_relaxed);
+    capturing = status != cudaStreamCaptureStatusNone;
+    if (capturing) g_captured_calls.fetch_add(1, std::memory_order_relaxed);
     return ffi::Error::Success();
   }
 
