@@ -3,6 +3,7 @@
 
 #include <cuda_runtime.h>
 
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <map>
@@ -198,8 +199,24 @@ Status execute(RunFn fn, Choice ch, const GemmProblem& p, const GemmOperands& o,
   return {};
 }
 
+// Holds the stream for `ns` nanoseconds (one thread, sleeping): work queued
+// behind it starts back to back when it ends, however slowly the host queued it.
+__device__ __forceinline__ uint64_t global_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+__global__ void hold_stream(uint64_t ns) {
+  const uint64_t t0 = global_ns();
+  while (global_ns() - t0 < ns) __nanosleep(1000);
+}
+
 // Times every built config (and, for a costly activation, fused vs split) on
 // the call's stream; returns false (no opinion) when timing is not possible.
+// Device time, not the host's: each candidate's timed runs are queued behind
+// hold_stream, which outlasts their queuing (a small problem's kernel is
+// shorter than the host's ~10-20 us per launch; timed as they were queued,
+// the candidates compared host costs).
 bool tune(const GemmProblem& p, const GemmOperands& o, const Launch& l, Choice* best) {
   const int64_t bytes = p.m * p.n * p.batch * dtype_bytes(p.dtype);
   if (p.has_c && (overlaps(o.c, o.y, bytes) || overlaps(o.c, o.z, bytes))) return false;
@@ -210,7 +227,10 @@ bool tune(const GemmProblem& p, const GemmOperands& o, const Launch& l, Choice* 
   // Repeats: enough work per candidate to see past launch noise (~1 ms or 3 runs).
   const double flops = 2.0 * double(p.m) * double(p.n) * double(p.k) * double(p.batch);
   const int reps = flops > 4e11 ? 3 : flops > 4e10 ? 5 : 10;
+  constexpr int64_t kHoldPerRunNs = 100000;  // host time to queue one run: ~20 us measured, 5x margin
+  constexpr double kExtraOpUs = 4.0;  // host cost of a launch (results/h100_host_cost.md: 3.8-4.1 us)
   const int fs = forced_split();
+  const bool log = std::getenv("REGEMM_CUTLASS_TUNE_LOG") && !env_off("REGEMM_CUTLASS_TUNE_LOG");
   float best_ms = 0;
   bool found = false;
   for (int c = 0; c < kNumConfigs; ++c) {
@@ -220,6 +240,8 @@ bool tune(const GemmProblem& p, const GemmOperands& o, const Launch& l, Choice* 
       if (fs >= 0 && split != fs) continue;
       const Choice ch{Config(c), split == 1};
       if (!execute(fn, ch, p, o, l).ok()) continue;  // warm-up (and: can it run at all?)
+      hold_stream<<<1, 1, 0, l.stream>>>(uint64_t(kHoldPerRunNs) * uint64_t(reps + 2));
+      if (cudaGetLastError() != cudaSuccess) continue;
       cudaEventRecord(ev[0], l.stream);
       bool ok = true;
       for (int r = 0; r < reps && ok; ++r) ok = execute(fn, ch, p, o, l).ok();
@@ -229,6 +251,18 @@ bool tune(const GemmProblem& p, const GemmOperands& o, const Launch& l, Choice* 
         cudaGetLastError();
         continue;
       }
+      // Compared: device time per run, plus kExtraOpUs for each device
+      // operation beyond the kernel (stream-K's workspace memset, the split
+      // choice's pass): each costs the host one more enqueue, idle device
+      // time wherever the host is not ahead of the GPU (small problems
+      // outside CUDA graphs; 17-37 us per memset under the profiler).
+      const int extra_ops = (Config(c) == Config::kStreamK128x128) + ch.split;
+      ms += float(extra_ops * kExtraOpUs * 1e-3 * reps);
+      if (log)
+        std::fprintf(stderr, "regemm tune: %s m=%lld n=%lld k=%lld batch=%lld %s: %s%s %.2f us (device time + %.0f us x %d extra ops)\n",
+                     kDTypeNames[int(p.dtype)].data(), (long long)p.m, (long long)p.n, (long long)p.k,
+                     (long long)p.batch, kActNames[int(p.act)].data(), kConfigNames[c], ch.split ? " + pass" : "",
+                     1e3 * ms / reps, kExtraOpUs, extra_ops);
       if (!found || ms < best_ms) { best_ms = ms; *best = ch; found = true; }
     }
   }

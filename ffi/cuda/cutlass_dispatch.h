@@ -11,7 +11,10 @@
 //     candidate's run would overwrite the next one's input). For the costly
 //     activations (gelu, gelu_erf, silu, sigmoid, tanh) each configuration is
 //     also timed with the activation as a separate pass over Y (REGEMM_CUTLASS_SPLIT=0/1
-//     forces fused/split);
+//     forces fused/split). It compares device time (the timed runs wait behind
+//     a kernel that holds the stream until they are all queued) plus 4 us per
+//     device operation beyond the kernel (a memset, a pass: one more enqueue
+//     for the host). REGEMM_CUTLASS_TUNE_LOG=1 prints every candidate's time;
 //   otherwise a rule on the tile count (rule_config in cutlass_dispatch.cu).
 #pragma once
 
