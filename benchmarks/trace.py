@@ -33,7 +33,7 @@ def trace(fn, args, repeats=5, pause_s=2e-3):
             time.sleep(pause_s)
         jax.profiler.stop_trace()
         pd = jax.profiler.ProfileData.from_file(glob.glob(f"{d}/**/*.xplane.pb", recursive=True)[0])
-    events, host = [], collections.defaultdict(float)
+    events, host, host_events = [], collections.defaultdict(float), []
     for plane in pd.planes:
         if plane.name.startswith("/device:GPU"):
             for line in plane.lines:
@@ -44,6 +44,7 @@ def trace(fn, args, repeats=5, pause_s=2e-3):
                 for ev in line.events:
                     if ev.end_ns - ev.start_ns < pause_s * 1e9 / 2:
                         host[f"{line.name[:20]}: {ev.name[:90]}"] += (ev.end_ns - ev.start_ns) / 1e3 / repeats
+                        host_events.append((ev.start_ns, ev.end_ns, f"{line.name[:20]}: {ev.name[:90]}"))
     events.sort()
     runs, cur = [], []
     for e in events:  # split at the host's pauses
@@ -52,7 +53,12 @@ def trace(fn, args, repeats=5, pause_s=2e-3):
             cur = []
         cur.append(e)
     runs.append(cur)
-    return runs[len(runs) // 2], host  # a middle run; host us per run
+    run = runs[len(runs) // 2]  # a middle run
+    t0, t1 = run[0][0], max(e[1] for e in run)
+    # The host's events from the previous run's end (the program's dispatch) to this run's end.
+    prev_end = max(e[1] for e in runs[len(runs) // 2 - 1]) if len(runs) > 1 else t0 - int(pause_s * 1e9)
+    timeline = sorted((s - t0, e - s, name) for s, e, name in host_events if prev_end < s < t1)
+    return run, host, timeline  # host: us per run by name
 
 
 def main():
@@ -78,7 +84,7 @@ def main():
         else:
             g = fwd_bwd(layer)
             fn, fargs = jax.jit(lambda x, w, b, gy: g(x, w, b, gy, precision)), (x, w, b, gy)
-        run, host = trace(fn, fargs)
+        run, host, timeline = trace(fn, fargs)
         if args.host:  # back-to-back calls, no sync between: host-bound for small programs
             jax.block_until_ready(fn(*fargs))
             cuda = rg._ffi._regemm_cuda
@@ -107,6 +113,9 @@ def main():
             print("  host time per run, by event (top 30):")
             for name, us in sorted(host.items(), key=lambda kv: -kv[1])[:30]:
                 print(f"    {us:8.1f} us  {name}")
+            print("  host events of that run (start relative to its first kernel, duration):")
+            for start, dur, name in timeline[-120:]:
+                print(f"    {start / 1e3:+9.1f} us {dur / 1e3:7.1f} us  {name}")
     cuda = rg._ffi._regemm_cuda
     if cuda is not None:  # handler calls so far that XLA made under CUDA-graph capture
         print(f"regemm calls captured into CUDA graphs so far: {cuda.captured_calls()}")
