@@ -29,6 +29,7 @@ try:  # what jax.ad_checkpoint.print_saved_residuals prints, as data
     from jax._src.ad_checkpoint import saved_residuals
 except ImportError:  # pragma: no cover
     saved_residuals = None
+import devtime
 from devtime import device_times_ms, named_jit
 
 DTYPES = {
@@ -167,7 +168,11 @@ def main():
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--sets", type=int, default=3, help="input sets rotated between runs")
     p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--graph-min-size", type=int, default=None,
+                   help="xla_gpu_graph_min_graph_size for every program, both sides (default: XLA's, 5)")
     args = p.parse_args()
+    if args.graph_min_size is not None:
+        devtime.COMPILER_OPTIONS["xla_gpu_graph_min_graph_size"] = args.graph_min_size
     acts, modes = args.acts.split(","), args.modes.split(",")
     layers = LAYERS_FULL if args.grid == "full" else LAYERS_QUICK
     if args.layers:
@@ -197,7 +202,8 @@ def main():
 
 def save(out, dev, records):
     """JSON and markdown so far (written after every shape: a cut-off run keeps what it measured)."""
-    meta = dict(device=dev.device_kind, jax=jax.__version__, host=platform.node(), kernels=rg.kernels())
+    meta = dict(device=dev.device_kind, jax=jax.__version__, host=platform.node(), kernels=rg.kernels(),
+                compiler_options=dict(devtime.COMPILER_OPTIONS))
     with open(os.path.join(out, "bench_gpu.json"), "w") as f:
         json.dump(dict(meta=meta, records=records), f, indent=1)
     with open(os.path.join(out, "bench_gpu.md"), "w") as f:

@@ -17,10 +17,15 @@ import tempfile
 import jax
 
 
+# XLA compile options for every function jitted here (bench_gpu.py --graph-min-size
+# sets xla_gpu_graph_min_graph_size for both sides of a comparison).
+COMPILER_OPTIONS: dict = {}
+
+
 def named_jit(fn, name: str):
     """jit `fn` so that its XLA module is called jit_<name>."""
     fn.__name__ = fn.__qualname__ = name
-    return jax.jit(fn)
+    return jax.jit(fn, compiler_options=dict(COMPILER_OPTIONS) or None)
 
 
 def _kernel_spans(pd):
