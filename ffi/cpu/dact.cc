@@ -69,15 +69,10 @@ void dact_t(const DactProblem& p, const DactOperands& o, const CpuRuntime& rt) {
 
 template <class T>
 void dact(const DactProblem& p, const DactOperands& o, const CpuRuntime& rt) {
-  switch (p.act) {
-#define REGEMM_DACT_CASE(k)                                                  \
-  case k:                                                                    \
-    return p.from_y ? dact_t<T, k, true>(p, o, rt) : dact_t<T, k, false>(p, o, rt);
-    REGEMM_DACT_CASE(Act::kNone) REGEMM_DACT_CASE(Act::kRelu) REGEMM_DACT_CASE(Act::kLeakyRelu)
-    REGEMM_DACT_CASE(Act::kGelu) REGEMM_DACT_CASE(Act::kGeluErf) REGEMM_DACT_CASE(Act::kSigmoid)
-    REGEMM_DACT_CASE(Act::kTanh) REGEMM_DACT_CASE(Act::kSilu)
-#undef REGEMM_DACT_CASE
-  }
+  with_act(p.act, [&](auto act) {
+    constexpr Act k = decltype(act)::value;
+    p.from_y ? dact_t<T, k, true>(p, o, rt) : dact_t<T, k, false>(p, o, rt);
+  });
 }
 
 ffi::Error run_dact(const DactProblem& p, const DactOperands& o, CpuRuntime& rt) {

@@ -102,13 +102,7 @@ struct CpuGemm {
   }
 
   void epilogue(int64_t batch, int64_t i0, int64_t j0, int64_t rows, int64_t cols, const A* acc) const {
-    switch (p.act) {
-#define REGEMM_EPILOGUE_CASE(k) case k: return epilogue_t<k>(batch, i0, j0, rows, cols, acc);
-      REGEMM_EPILOGUE_CASE(Act::kNone) REGEMM_EPILOGUE_CASE(Act::kRelu) REGEMM_EPILOGUE_CASE(Act::kLeakyRelu)
-      REGEMM_EPILOGUE_CASE(Act::kGelu) REGEMM_EPILOGUE_CASE(Act::kGeluErf) REGEMM_EPILOGUE_CASE(Act::kSigmoid)
-      REGEMM_EPILOGUE_CASE(Act::kTanh) REGEMM_EPILOGUE_CASE(Act::kSilu)
-#undef REGEMM_EPILOGUE_CASE
-    }
+    with_act(p.act, [&](auto act) { epilogue_t<decltype(act)::value>(batch, i0, j0, rows, cols, acc); });
   }
 
   // One task: rows [m0, m1) x columns [j0, j0+cols) of batch entry `batch`.

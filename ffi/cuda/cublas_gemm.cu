@@ -71,6 +71,16 @@ uint32_t alignment(const void* ptr) {
   return al;
 }
 
+// alpha, and beta = 0, in the GEMM's scale type: double for f64, else float.
+struct Scalars {
+  double a64, b64 = 0.0;
+  float a32, b32 = 0.0f;
+  bool f64;
+  Scalars(double alpha, bool is_f64) : a64(alpha), a32(float(alpha)), f64(is_f64) {}
+  const void* alpha() const { return f64 ? static_cast<const void*>(&a64) : static_cast<const void*>(&a32); }
+  const void* beta() const { return f64 ? static_cast<const void*>(&b64) : static_cast<const void*>(&b32); }
+};
+
 // Everything a cuBLASLt plan depends on (the pointers only through their
 // alignment; the bias pointer is set on every call).
 struct LtKey {
@@ -270,13 +280,9 @@ ffi::Error run_lt(const GemmProblem& p, const GemmOperands& o, cublasComputeType
     REGEMM_CUBLAS_CHECK(
         cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof bias));
   }
-  const double alpha64 = p.alpha, beta64 = 0.0;
-  const float alpha32 = float(p.alpha), beta32 = 0.0f;
-  const bool f64 = type == CUDA_R_64F;
-  const void* alpha = f64 ? static_cast<const void*>(&alpha64) : static_cast<const void*>(&alpha32);
-  const void* beta = f64 ? static_cast<const void*>(&beta64) : static_cast<const void*>(&beta32);
-  REGEMM_CUBLAS_CHECK(cublasLtMatmul(dh.lt, plan->op, alpha, g.a, plan->a, g.b, plan->b, beta, g.c, plan->d, g.c,
-                                     plan->d, &plan->algo, workspace, key.workspace, stream));
+  const Scalars ab(p.alpha, type == CUDA_R_64F);
+  REGEMM_CUBLAS_CHECK(cublasLtMatmul(dh.lt, plan->op, ab.alpha(), g.a, plan->a, g.b, plan->b, ab.beta(), g.c,
+                                     plan->d, g.c, plan->d, &plan->algo, workspace, key.workspace, stream));
   *ran = true;
   return ffi::Error::Success();
 }
@@ -317,18 +323,14 @@ ffi::Error run_cublas(const GemmProblem& p, const GemmOperands& o, CudaRuntime& 
       return e;
   }
   if (!ran) {  // no cuBLASLt algorithm at all: cublasGemmEx picks its own
-    const double alpha64 = p.alpha, beta64 = 0.0;
-    const float alpha32 = float(p.alpha), beta32 = 0.0f;
-    const bool f64 = p.dtype == DType::kF64;
-    const void* alpha = f64 ? static_cast<const void*>(&alpha64) : static_cast<const void*>(&alpha32);
-    const void* beta = f64 ? static_cast<const void*>(&beta64) : static_cast<const void*>(&beta32);
+    const Scalars ab(p.alpha, type == CUDA_R_64F);
     // SetStream resets the workspace to cuBLAS's own pool, so it goes first.
     REGEMM_CUBLAS_CHECK(cublasSetStream(dh->handle, rt.stream));
     REGEMM_CUBLAS_CHECK(cublasSetWorkspace(dh->handle, workspace, workspace ? kGemmWorkspaceBytes : 0));
     const ColMajorGemm g = col_major(p, o);
-    REGEMM_CUBLAS_CHECK(cublasGemmStridedBatchedEx_64(dh->handle, g.op_a, g.op_b, g.m, g.n, g.k, alpha,
+    REGEMM_CUBLAS_CHECK(cublasGemmStridedBatchedEx_64(dh->handle, g.op_a, g.op_b, g.m, g.n, g.k, ab.alpha(),
                                                       g.a, type, g.lda, g.stride_a,
-                                                      g.b, type, g.ldb, g.stride_b, beta,
+                                                      g.b, type, g.ldb, g.stride_b, ab.beta(),
                                                       g.c, type, g.ldc, g.stride_c,
                                                       p.batch, compute, CUBLAS_GEMM_DEFAULT));
   }

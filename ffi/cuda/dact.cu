@@ -35,8 +35,6 @@ constexpr int kThreads = kLanes * kWarps;           // 256
 constexpr int kTileRows = 128;
 constexpr int kRowsPerThread = kTileRows / kWarps;  // 16
 
-// Elements per 16-byte vector.
-
 struct DactArgs {
   int64_t m, n, batch, stride_gy, stride_s, tiles_m, tiles_n;
   int64_t len;  // of the bias (0: none)
@@ -205,15 +203,8 @@ unsigned grid_z(int64_t batch) { return unsigned(batch < 65535 ? batch : 65535);
 template <class T, int V>
 ffi::Error launch_tiles(const DactArgs& a, Act act, unsigned tiles, cudaStream_t stream) {
   const dim3 grid(tiles, 1, grid_z(a.batch)), block(kLanes, kWarps);
-  switch (act) {
-#define REGEMM_DACT_CASE(k) \
-  case k: dact_tiles_kernel<T, V, k><<<grid, block, 0, stream>>>(a); break;
-    REGEMM_DACT_CASE(Act::kNone) REGEMM_DACT_CASE(Act::kRelu) REGEMM_DACT_CASE(Act::kLeakyRelu)
-    REGEMM_DACT_CASE(Act::kGelu) REGEMM_DACT_CASE(Act::kGeluErf) REGEMM_DACT_CASE(Act::kSigmoid)
-    REGEMM_DACT_CASE(Act::kTanh) REGEMM_DACT_CASE(Act::kSilu)
-#undef REGEMM_DACT_CASE
-    default: return bad("backward epilogue: unknown activation");
-  }
+  if (!with_act(act, [&](auto k) { dact_tiles_kernel<T, V, decltype(k)::value><<<grid, block, 0, stream>>>(a); }))
+    return bad("backward epilogue: unknown activation");
   REGEMM_LAUNCH_CHECK();
   return ffi::Error::Success();
 }

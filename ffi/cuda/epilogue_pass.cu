@@ -79,19 +79,8 @@ cudaError_t launch_v(const PassArgs& a, Act act, cudaStream_t stream) {
   const dim3 block{unsigned(tx), unsigned(ty)};
   const dim3 grid(unsigned((cols + tx - 1) / tx), unsigned(std::min<int64_t>((a.m + ty - 1) / ty, 65535)),
                   unsigned(std::min<int64_t>(a.batch, 65535)));
-  switch (act) {
-#define REGEMM_CASE(A) \
-  case A: epilogue_kernel<T, V, A, M><<<grid, block, 0, stream>>>(a); break;
-    REGEMM_CASE(Act::kNone)
-    REGEMM_CASE(Act::kRelu)
-    REGEMM_CASE(Act::kLeakyRelu)
-    REGEMM_CASE(Act::kGelu)
-    REGEMM_CASE(Act::kGeluErf)
-    REGEMM_CASE(Act::kSigmoid)
-    REGEMM_CASE(Act::kTanh)
-    REGEMM_CASE(Act::kSilu)
-#undef REGEMM_CASE
-  }
+  if (!with_act(act, [&](auto k) { epilogue_kernel<T, V, decltype(k)::value, M><<<grid, block, 0, stream>>>(a); }))
+    return cudaErrorInvalidValue;
   return cudaGetLastError();
 }
 

@@ -9,6 +9,7 @@
 #include <math.h>
 
 #include <string_view>
+#include <type_traits>
 
 #include "numeric.h"
 #if !defined(__CUDA_ARCH__)
@@ -26,6 +27,22 @@ inline constexpr std::string_view kActNames[] = {
 inline bool parse_act(std::string_view name, Act* act) {
   for (int i = 0; i < int(sizeof(kActNames) / sizeof(kActNames[0])); ++i)
     if (kActNames[i] == name) { *act = Act(i); return true; }
+  return false;
+}
+
+// A run-time activation as a compile-time one: calls
+// f(std::integral_constant<Act, A>{}) with A == act, so that a kernel is
+// instantiated once per activation. Every backend's dispatch goes through this
+// one list. False for a value outside the enum (f not called).
+template <class F> bool with_act(Act act, F&& f) {
+  switch (act) {
+#define REGEMM_ACT_CASE(A) \
+  case A: f(std::integral_constant<Act, A>{}); return true;
+    REGEMM_ACT_CASE(Act::kNone) REGEMM_ACT_CASE(Act::kRelu) REGEMM_ACT_CASE(Act::kLeakyRelu)
+    REGEMM_ACT_CASE(Act::kGelu) REGEMM_ACT_CASE(Act::kGeluErf) REGEMM_ACT_CASE(Act::kSigmoid)
+    REGEMM_ACT_CASE(Act::kTanh) REGEMM_ACT_CASE(Act::kSilu)
+#undef REGEMM_ACT_CASE
+  }
   return false;
 }
 
