@@ -239,7 +239,12 @@ bool tune(const GemmProblem& p, const GemmOperands& o, const Launch& l, Choice* 
     for (int split = 0; split < (costly_act(p.act) ? 2 : 1); ++split) {
       if (fs >= 0 && split != fs) continue;
       const Choice ch{Config(c), split == 1};
-      if (!execute(fn, ch, p, o, l).ok()) continue;  // warm-up (and: can it run at all?)
+      // Warm-up (and: can it run at all?), counting the device operations of a run.
+      int ops = 0;
+      Launch lc = l;
+      lc.enqueued = &ops;
+      if (!execute(fn, ch, p, o, lc).ok()) continue;
+      ops += ch.split && costly_act(p.act);  // the activation pass
       hold_stream<<<1, 1, 0, l.stream>>>(uint64_t(kHoldPerRunNs) * uint64_t(reps + 2));
       if (cudaGetLastError() != cudaSuccess) continue;
       cudaEventRecord(ev[0], l.stream);
@@ -252,11 +257,12 @@ bool tune(const GemmProblem& p, const GemmOperands& o, const Launch& l, Choice* 
         continue;
       }
       // Compared: device time per run, plus kExtraOpUs for each device
-      // operation beyond the kernel (stream-K's workspace memset, the split
-      // choice's pass): each costs the host one more enqueue, idle device
-      // time wherever the host is not ahead of the GPU (small problems
-      // outside CUDA graphs; 17-37 us per memset under the profiler).
-      const int extra_ops = (Config(c) == Config::kStreamK128x128) + ch.split;
+      // operation beyond the kernel (stream-K's workspace memset where it has
+      // one, the split choice's pass): each costs the host one more enqueue,
+      // idle device time wherever the host is not ahead of the GPU (small
+      // problems outside CUDA graphs; 17-37 us per memset under the profiler).
+      // A batch that runs as a loop of single GEMMs counts per GEMM.
+      const int extra_ops = ops > 1 ? ops - 1 : 0;
       ms += float(extra_ops * kExtraOpUs * 1e-3 * reps);
       if (log)
         std::fprintf(stderr, "regemm tune: %s m=%lld n=%lld k=%lld batch=%lld %s: %s%s %.2f us (device time + %.0f us x %d extra ops)\n",

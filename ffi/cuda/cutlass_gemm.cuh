@@ -129,7 +129,8 @@ Status allow_shared_memory(int device) {
 
 // One cudaLaunchKernelEx with the kernel's cluster shape (what CUTLASS's
 // ClusterLauncher does, less its cudaFuncSetAttribute on every launch: the
-// clusters here are at most 2 CTAs, within the portable size).
+// clusters here are at most 2 CTAs, within the portable size). A 1x1x1
+// cluster gets no cluster attribute: CUTLASS launches those as plain kernels.
 template <class K>
 Status launch_kernel(typename K::Params& params, cudaStream_t stream) {
   using Cluster = typename K::DispatchPolicy::ClusterShape;
@@ -138,13 +139,14 @@ Status launch_kernel(typename K::Params& params, cudaStream_t stream) {
   cluster.val.clusterDim.x = unsigned(cute::size<0>(Cluster{}));
   cluster.val.clusterDim.y = unsigned(cute::size<1>(Cluster{}));
   cluster.val.clusterDim.z = unsigned(cute::size<2>(Cluster{}));
+  const bool clustered = cluster.val.clusterDim.x * cluster.val.clusterDim.y * cluster.val.clusterDim.z > 1;
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = K::get_grid_shape(params);
   cfg.blockDim = K::get_block_shape();
   cfg.dynamicSmemBytes = size_t(K::SharedStorageSize);
   cfg.stream = stream;
-  cfg.attrs = &cluster;
-  cfg.numAttrs = 1;
+  cfg.attrs = clustered ? &cluster : nullptr;
+  cfg.numAttrs = clustered ? 1 : 0;
   void* kernel_args[] = {&params};
   const cudaError_t e = cudaLaunchKernelExC(&cfg, reinterpret_cast<const void*>(&cutlass::device_kernel<K>), kernel_args);
   if (e != cudaSuccess) {
@@ -231,6 +233,9 @@ Status run_gemm(const GemmProblem& p, const GemmOperands& o, const Launch& l) {
     cudaGetLastError();  // a failed memset sets it; the status says so
     return {"initialize_workspace", cutlassGetStatusString(cs)};
   }
+  // CUTLASS's stream-K zeroes its barriers (one memset) when it has any
+  // workspace; the data-parallel decomposition has none.
+  if (l.enqueued) *l.enqueued += 1 + (ws_bytes > 0);
   return launch_kernel<K>(params, l.stream);
 }
 

@@ -55,6 +55,9 @@ struct Launch {
   // nothing on later calls (a batch loop or the tuner launch many times).
   Status (*before)(void* ctx, cudaStream_t stream) = nullptr;
   void* before_ctx = nullptr;
+  // When set, each device operation a launch enqueues (a workspace memset,
+  // the kernel) adds 1: the tuner charges host cost per operation.
+  int* enqueued = nullptr;
   // Workspace of at least `bytes` (256-byte aligned) on the device, or null.
   // Every request is served from the same start (the call's workspace result,
   // ffi/cuda/runtime.h): valid for the launch that asked, and on replays of a
