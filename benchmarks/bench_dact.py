@@ -28,12 +28,14 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="")
     p.add_argument("--dtypes", default="bf16,f32")
+    p.add_argument("--shapes", default="", help="override shapes: M:N,M:N")
     args = p.parse_args()
     dtypes = {"bf16": jnp.bfloat16, "f32": jnp.float32}
     rows = []
     for dname in args.dtypes.split(","):
         dt = dtypes[dname]
-        for m, n in SHAPES:
+        shapes = [tuple(int(v) for v in s.split(":")) for s in args.shapes.split(",")] if args.shapes else SHAPES
+        for m, n in shapes:
             keys = jax.random.split(jax.random.PRNGKey(m + n), 6)
             sets = [(jax.random.normal(keys[i], (m, n), dt), jax.random.normal(keys[i + 3], (m, n), dt)) for i in range(3)]
             cases = {}
