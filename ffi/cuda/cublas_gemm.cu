@@ -308,20 +308,18 @@ ffi::Error run_cublas(const GemmProblem& p, const GemmOperands& o, CudaRuntime& 
   // The bias (and relu) in cuBLASLt's epilogue where it fits; the bias
   // pointer must be 16-byte aligned (there is no alignment preference for it).
   const bool lt_bias = lt_bias_fits(p) && alignment(o.bias) >= 16;
-  const cublasLtEpilogue_t epilogue = !lt_bias ? CUBLASLT_EPILOGUE_DEFAULT
-                                      : p.act == Act::kRelu ? CUBLASLT_EPILOGUE_RELU_BIAS
-                                                            : CUBLASLT_EPILOGUE_BIAS;
+  const cublasLtEpilogue_t epilogue = p.act == Act::kRelu ? CUBLASLT_EPILOGUE_RELU_BIAS : CUBLASLT_EPILOGUE_BIAS;
   bool ran = false;
-  if (auto e = run_lt(p, o, compute, type, epilogue, *dh, workspace, kGemmWorkspaceBytes, rt.stream, &ran);
-      e.failure())
-    return e;
-  if (ran && lt_bias) return ffi::Error::Success();
-  if (!ran && lt_bias) {  // no cuBLASLt algorithm with the bias epilogue: the GEMM, then the pass
-    if (auto e = run_lt(p, o, compute, type, CUBLASLT_EPILOGUE_DEFAULT, *dh, workspace, kGemmWorkspaceBytes,
-                        rt.stream, &ran);
+  if (lt_bias) {  // done, unless cuBLASLt has no algorithm with the bias epilogue: then the GEMM and the pass
+    if (auto e = run_lt(p, o, compute, type, epilogue, *dh, workspace, kGemmWorkspaceBytes, rt.stream, &ran);
         e.failure())
       return e;
+    if (ran) return ffi::Error::Success();
   }
+  if (auto e = run_lt(p, o, compute, type, CUBLASLT_EPILOGUE_DEFAULT, *dh, workspace, kGemmWorkspaceBytes,
+                      rt.stream, &ran);
+      e.failure())
+    return e;
   if (!ran) {  // no cuBLASLt algorithm at all: cublasGemmEx picks its own
     const Scalars ab(p.alpha, type == CUDA_R_64F);
     // SetStream resets the workspace to cuBLAS's own pool, so it goes first.
