@@ -15,7 +15,12 @@
 // partials of the tiles in tile order.
 // The bias gradient sums gZ as stored (rounded to the output dtype), in the
 // accumulation type (f32, or f64 for f64).
+// act' of bf16/f16 uses the GPU's approximate exp and division (FastMath,
+// activation.h: ~1e-7 relative, far below the 16-bit rounding of gZ); the
+// precise forms cost gelu's pass 24 us against relu's 13 (4096x1024 bf16,
+// benchmarks/NOTES.md). f32 and f64 keep the precise forms.
 #include <cstdint>
+#include <type_traits>
 
 #include "../regemm/handlers.h"
 #include "pack.h"
@@ -88,6 +93,7 @@ template <class T, int V, Act kAct>
 __global__ void __launch_bounds__(kThreads) dact_tiles_kernel(const DactArgs a) {
   using A = acc_t<T>;
   using P = Pack<T, V>;
+  using M = std::conditional_t<sizeof(T) == 2, FastMath, PreciseMath>;
   __shared__ A red[kWarps][kLanes * V];  // per-col: the warps' column sums
   const int64_t tm = int64_t(blockIdx.x) / a.tiles_n, tn = int64_t(blockIdx.x) % a.tiles_n;
   const int64_t col = (tn * kLanes + threadIdx.x) * V;
@@ -114,7 +120,7 @@ __global__ void __launch_bounds__(kThreads) dact_tiles_kernel(const DactArgs a) 
 #pragma unroll
         for (int v = 0; v < V; ++v) {
           const A x = load<A>(sv.v[v]);
-          const A d = a.from_y ? act_grad_from_y(kAct, x, slope) : act_grad(kAct, x, slope);
+          const A d = a.from_y ? act_grad_from_y(kAct, x, slope) : act_grad<A, M>(kAct, x, slope);
           out.v[v] = store<T>(load<A>(gv.v[v]) * d);
           const A g = load<A>(out.v[v]);  // the bias gradient sums gZ as stored
           colsum[v] += g;

@@ -86,6 +86,7 @@ struct PreciseMath {
   template <class T> static REGEMM_HD T tanh(T x) { return math::tanh(x); }
   template <class T> static REGEMM_HD T erfc(T x) { return math::erfc(x); }
   template <class T> static REGEMM_HD T rcp(T x) { return T(1) / x; }
+  template <class T> static REGEMM_HD T div(T x, T y) { return x / y; }
   template <class T> static REGEMM_HD T sigmoid(T z);  // sigmoid2(z).s, below
 };
 
@@ -93,6 +94,7 @@ struct FastMath : PreciseMath {
 #if defined(__CUDA_ARCH__)
   static REGEMM_HD float exp(float x) { return __expf(x); }
   static REGEMM_HD float rcp(float x) { return __fdividef(1.0f, x); }
+  static REGEMM_HD float div(float x, float y) { return __fdividef(x, y); }
   static REGEMM_HD float tanh(float x) {
     float y;
     asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
@@ -155,8 +157,9 @@ template <class T, class M = PreciseMath> REGEMM_HD T act_fwd(Act act, T z, T sl
 }
 
 // act'(z). Branch-free (selects only) so that it vectorizes on the host and
-// does not diverge on the device.
-template <class T> REGEMM_HD T act_grad(Act act, T z, T slope) {
+// does not diverge on the device. M as for act_fwd: FastMath where gZ is
+// rounded to bf16/f16 anyway (the backward epilogue of 16-bit layers).
+template <class T, class M = PreciseMath> REGEMM_HD T act_grad(Act act, T z, T slope) {
   using G = GeluConst<T>;
   T g = T(1);
   switch (act) {
@@ -168,21 +171,21 @@ template <class T> REGEMM_HD T act_grad(Act act, T z, T slope) {
       // to the last ulp of double, and the formula would form 0 * inf.
       const T zc = z > T(30) ? T(30) : (z < T(-30) ? T(-30) : z);
       const T z2 = zc * zc;
-      const Sig<T> q = sigmoid2(T(2) * G::kC * zc * (T(1) + G::kA * z2));
+      const Sig<T> q = sigmoid2<T, M>(T(2) * G::kC * zc * (T(1) + G::kA * z2));
       g = q.s + T(2) * zc * q.s * q.one_minus_s * G::kC * (T(1) + T(3) * G::kA * z2);
       g = z > T(30) ? T(1) : (z < T(-30) ? T(0) : g);
       break;
     }
     case Act::kGeluErf:
-      g = T(0.5) * math::erfc(-z * G::kRsqrt2) + z * G::kRsqrt2Pi * math::exp(T(-0.5) * z * z);
+      g = T(0.5) * M::erfc(-z * G::kRsqrt2) + z * G::kRsqrt2Pi * M::exp(T(-0.5) * z * z);
       break;
-    case Act::kSigmoid: { const Sig<T> q = sigmoid2(z); g = q.s * q.one_minus_s; break; }
+    case Act::kSigmoid: { const Sig<T> q = sigmoid2<T, M>(z); g = q.s * q.one_minus_s; break; }
     case Act::kTanh: {  // 1 - tanh^2 = 4e / (1 + e)^2, e = exp(-2|z|): no cancellation
-      const T e = math::exp(T(-2) * math::abs(z));
-      g = T(4) * e / ((T(1) + e) * (T(1) + e));
+      const T e = M::exp(T(-2) * math::abs(z));
+      g = M::div(T(4) * e, (T(1) + e) * (T(1) + e));
       break;
     }
-    case Act::kSilu: { const Sig<T> q = sigmoid2(z); g = q.s * (T(1) + z * q.one_minus_s); break; }
+    case Act::kSilu: { const Sig<T> q = sigmoid2<T, M>(z); g = q.s * (T(1) + z * q.one_minus_s); break; }
   }
   return z != z ? z : g;  // NaN in, NaN out
 }
