@@ -2,7 +2,7 @@
 // or small kernels): where the microseconds of an uncaptured custom call go.
 //  1. The CUDA calls one by one (2000 calls, mean).
 //  2. The GEMM paths outside XLA (200 calls back to back, below the launch
-//     queue's depth, mean): the CUTLASS dispatch (run(): rule or tuned choice,
+//     queue's depth, mean): the CUTLASS dispatch (run(): the rule's choice,
 //     then the kernel's argument setup and launch), each CUTLASS kernel entry
 //     alone, and cuBLAS's two APIs for the plain backward GEMMs
 //     (cublasGemmStridedBatchedEx as the handler calls it, against
@@ -106,13 +106,11 @@ void gemm_paths(cudaStream_t s) {
   GemmOperands o{a, b, bias, nullptr, y, nullptr};
   for (Act act : {Act::kRelu, Act::kGelu}) {
     p.act = act;
-    run(p, o, l);  // first sight: tunes
+    run(p, o, l);
     cudaDeviceSynchronize();
     char what[128];
-    bool split = false;
-    const Config chosen = peek_config(p, *dev, &split);
-    snprintf(what, sizeof what, "cutlass run(), %s 128x1024x1024 bf16 (tuned: %s%s)", act == Act::kRelu ? "relu" : "gelu",
-             kConfigNames[int(chosen)], split ? "+split" : "");
+    snprintf(what, sizeof what, "cutlass run(), %s 128x1024x1024 bf16 (rule: %s)", act == Act::kRelu ? "relu" : "gelu",
+             rule_choice_name(p, *dev));
     time_it(200, what, [&] { run(p, o, l); });
     for (int c = 0; c < kNumConfigs; ++c) {
       RunFn fn = KernelTable::get().find(p.dtype, false, false, Config(c));

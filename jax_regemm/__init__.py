@@ -9,6 +9,7 @@ from . import reference
 from ._ffi import kernels
 from .api import dense, gemm_bias_act, gemm_bias_act_bwd, gemm_bias_act_fwd
 from .reference import ACTIVATIONS, BIAS_KINDS
+from .tuning import autotune, tuned
 
 SAVE_POLICIES = ("auto", "z", "y", "recompute")
 
@@ -16,11 +17,13 @@ __all__ = [
     "ACTIVATIONS",
     "BIAS_KINDS",
     "SAVE_POLICIES",
+    "autotune",
     "dense",
     "gemm_bias_act",
     "gemm_bias_act_bwd",
     "gemm_bias_act_fwd",
     "kernels",
     "reference",
+    "tuned",
 ]
 __version__ = "0.1.0"

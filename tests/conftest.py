@@ -233,6 +233,17 @@ def assert_rel(got, ref, dtype, precision=None, what=""):
     assert e < t, f"{what}: relative Frobenius error {e:.3e} >= {t:.1e} ({jnp.dtype(dtype).name})"
 
 
+def assert_same_op(got, want, dtype, what=""):
+    """One op reached through two calls that differ in what else they compute
+    (with and without the Z stash). The CPU runs one kernel for both: bit for
+    bit. The GPU tunes each call signature on its own (ffi/cuda/tuner.cu) and
+    may run each with another kernel: equal to SPEC §5's tolerance."""
+    if on_cpu():
+        np.testing.assert_array_equal(f64(got), f64(want), err_msg=what)
+    else:
+        assert_rel(got, want, dtype, what=what)
+
+
 def eps(dtype) -> float:
     return float(jnp.finfo(dtype).eps)
 

@@ -64,16 +64,13 @@ int regemm_cutlass_gemm(const long long* d, const double* f, void* const* ptrs, 
   return 2;
 }
 
-// Name of the configuration run() would pick now (forced, tuned or rule),
-// with "+split" when the activation runs as a pass of its own.
+// Name of the choice run() makes (forced or the rule's), with "+pass" when
+// the activation runs as a pass of its own. (The timing tuner sits above
+// this layer, in the FFI module: tuner.cu.)
 const char* regemm_cutlass_config(const long long* d, const double* f) {
-  static char name[64];
   const DeviceInfo* dev = sm90_device();
   if (!dev) return "none";
-  bool split = false;
-  const Config c = peek_config(make_problem(d, f), *dev, &split);
-  std::snprintf(name, sizeof name, "%s%s", kConfigNames[int(c)], split ? "+split" : "");
-  return name;
+  return rule_choice_name(make_problem(d, f), *dev);
 }
 
 }  // extern "C"

@@ -511,6 +511,10 @@ def _run_train(tmp_path, name, xla_flags):
     env = dict(os.environ)
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + xla_flags).strip()
     env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+    # The rule's kernels in both runs: the uncaptured run would otherwise time
+    # and pick its own (the tuner never times under capture), and the bits
+    # compared below would come from different kernels.
+    env["REGEMM_TUNE"] = "0"
     script = tmp_path / "train.py"
     script.write_text(_TRAIN_SCRIPT)
     out = tmp_path / f"{name}.npz"

@@ -21,9 +21,12 @@ _FLAGS = {
     "plain": "--xla_gpu_enable_command_buffer=",
     "graphs": "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1",
 }[MODE]
-# No autotuning: XLA would otherwise run many candidate kernels under the sanitizer.
+# No autotuning in XLA: it would run many candidate kernels of its own under the
+# sanitizer. regemm's tuner does time its GEMMs in "plain" mode (so every way it
+# chooses among runs under the sanitizer), with one timed run per candidate.
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_autotune_level=0 " + _FLAGS).strip()
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+os.environ.setdefault("REGEMM_TUNE_REPS", "1")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

@@ -27,6 +27,11 @@ struct CpuRuntime {
   template <class B> static constexpr auto bind_ctx(B&& b) { return std::move(b).template Ctx<ffi::ThreadPool>(); }
   ffi::Error start() const { return ffi::Error::Success(); }
 
+  // Runs the kernel the registry chose (one kernel per op here: nothing to time).
+  template <class K, class P, class O> ffi::Error run(const K& kernel, const P& p, const O& o) {
+    return kernel.run(p, o, *this);
+  }
+
   // Threads parallel_for will use.
   int64_t threads() const {
     const int64_t t = pool ? pool->num_threads() : 0;

@@ -1,22 +1,24 @@
-// GEMMs through cuBLAS: Y = alpha op(A) op(B), batched by stride.
-// - The plain GEMMs of the backward pass (dgrad, wgrad: act none, no bias,
-//   no C, no Z), every dtype.
-// - f32 and f64 regemm problems (the forward at precision=HIGHEST, f64, and
-//   f32 that the CUTLASS kernels cannot take): the GEMM, then the epilogue
-//   (beta C, bias, Z, activation) as a pass over Y (epilogue_pass.h). Y holds
-//   the f32/f64 accumulator's value in between, so the result is the fused
-//   one. The pass costs a read and a write of Y (~7 us, 8% of a 2048x1024x1024
-//   f32 GEMM at 51 TFLOP/s); the SIMT kernel took 2.4x XLA's time there.
-//   16-bit types stay with the fused kernels: their Y would round twice.
-//   f32 act none/relu with a per-column bias (the plain dense layer) runs as
-//   one cuBLASLt matmul with its BIAS / RELU_BIAS epilogue instead, where
-//   cuBLASLt has an algorithm for it: XLA folds that bias into its GEMM too.
+// GEMMs through cuBLAS: Y = alpha op(A) op(B), batched by stride, and every
+// regemm problem whose epilogue cuBLASLt computes itself.
+// - One cuBLASLt matmul does the whole problem where its epilogue covers it
+//   (lt_epilogue): a plain GEMM (the backward's dgrad and wgrad), act none,
+//   relu or gelu (cuBLASLt's GELU is the tanh form, as regemm's gelu), a
+//   per-column bias, C through beta, Z for gelu (its AUX output is the GELU
+//   input). XLA folds the same bias and relu into its cuBLAS GEMMs.
+// - Otherwise the GEMM, then the epilogue (beta C, bias, Z, activation) as a
+//   pass over Y (epilogue_pass.h). For f32 and f64 Y holds the f32/f64
+//   accumulator's value in between, so the result is the fused one; this is
+//   the rule's path for f32 HIGHEST and f64 (the SIMT kernel took 2.4x XLA's
+//   time there). For 16-bit types Y would round twice (alpha op(A) op(B) to
+//   bf16, then the result), as XLA's unfused GEMM + fusion does: the rule
+//   never runs cuBLAS for their epilogues (supports()), only the tuner may.
+// - Variants (for the tuner): each of these two ways with each of the
+//   heuristic's first kLtAlgos algorithms; cublasGemmStridedBatchedEx where
+//   cuBLASLt offers none. The rule (run_cublas) takes the first algorithm.
 //
-// - The GEMM is a cuBLASLt matmul whose plan (descriptors and the heuristic's
-//   algorithm) is made on first sight of its shape and kept (LtPlan), so a
-//   call costs the host one cuBLASLt call; cublasGemmStridedBatchedEx, which
-//   builds all of that on every call, is the fallback where cuBLASLt offers
-//   no algorithm.
+// - A cuBLASLt plan (descriptors and the heuristic's algorithms) is made on
+//   first sight of a shape, layouts, alignments and epilogue and kept
+//   (LtPlan), so a call costs the host one cuBLASLt call.
 // - One cuBLAS and one cuBLASLt handle per device, created on first use and
 //   kept for the life of the process (destroying them at exit races the CUDA
 //   runtime's own teardown), with the plans. A handle is not safe to use from
@@ -35,15 +37,18 @@
 #include <cublasLt.h>
 #include <cublas_v2.h>
 
+#include <algorithm>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <tuple>
 #include <unordered_map>
+#include <vector>
 
 #include "../regemm/handlers.h"
 #include "epilogue_pass.h"
+#include "pack.h"
 #include "runtime.h"
 
 namespace regemm {
@@ -62,27 +67,40 @@ ffi::Error cublas_error(cublasStatus_t s, const char* what, const char* file, in
       return cublas_error(regemm_st_, #expr, __FILE__, __LINE__);                \
   } while (0)
 
-// The largest power of two (up to 256) that divides the address: cuBLASLt's
-// algorithms may assume the alignment they are told, so tell the truth.
-uint32_t alignment(const void* ptr) {
-  const uintptr_t a = reinterpret_cast<uintptr_t>(ptr);
-  uint32_t al = 256;
-  while (al > 1 && (a & (al - 1))) al /= 2;
-  return al;
+// How many of the heuristic's algorithms the tuner may time per plan.
+constexpr int kLtAlgos = 4;
+
+// The GEMM's types: storage, compute, and the scalars' (double for f64, else float).
+struct Types {
+  cudaDataType_t type;
+  cublasComputeType_t compute;
+};
+
+bool types_of(const GemmProblem& p, Types* t) {
+  switch (p.dtype) {
+    case DType::kF32:
+      *t = {CUDA_R_32F, p.exact_f32 ? CUBLAS_COMPUTE_32F : CUBLAS_COMPUTE_32F_FAST_TF32};
+      return true;
+    case DType::kF64: *t = {CUDA_R_64F, CUBLAS_COMPUTE_64F}; return true;
+    case DType::kBF16: *t = {CUDA_R_16BF, CUBLAS_COMPUTE_32F}; return true;
+    case DType::kF16: *t = {CUDA_R_16F, CUBLAS_COMPUTE_32F}; return true;
+  }
+  return false;
 }
 
-// alpha, and beta = 0, in the GEMM's scale type: double for f64, else float.
+// alpha and beta in the GEMM's scale type.
 struct Scalars {
-  double a64, b64 = 0.0;
-  float a32, b32 = 0.0f;
+  double a64, b64;
+  float a32, b32;
   bool f64;
-  Scalars(double alpha, bool is_f64) : a64(alpha), a32(float(alpha)), f64(is_f64) {}
+  Scalars(double alpha, double beta, bool is_f64)
+      : a64(alpha), b64(beta), a32(float(alpha)), b32(float(beta)), f64(is_f64) {}
   const void* alpha() const { return f64 ? static_cast<const void*>(&a64) : static_cast<const void*>(&a32); }
   const void* beta() const { return f64 ? static_cast<const void*>(&b64) : static_cast<const void*>(&b32); }
 };
 
 // Everything a cuBLASLt plan depends on (the pointers only through their
-// alignment; the bias pointer is set on every call).
+// alignment; bias, aux and C pointers are set on every call).
 struct LtKey {
   int compute, type, epilogue;
   bool ta, tb;
@@ -96,17 +114,16 @@ struct LtKey {
   bool operator<(const LtKey& o) const { return tie() < o.tie(); }
 };
 
-// Descriptors and the heuristic's algorithm for one LtKey, made on first
-// sight and kept for the process (like the handle): a cuBLASLt matmul then
-// costs one call. Built per call, the descriptors and the heuristic query
-// cost the host ~3 us (results/h100_host_cost.md), and cublasGemmEx, which
-// does the same inside, ~11 us per call. algo_ok false: cuBLASLt has no
-// algorithm (the caller takes another way).
+// Descriptors and the heuristic's first algorithms for one LtKey, made on
+// first sight and kept for the process (like the handle): a cuBLASLt matmul
+// then costs one call. Built per call, the descriptors and the heuristic
+// query cost the host ~3 us (results/h100_host_cost.md), and cublasGemmEx,
+// which does the same inside, ~11 us per call. No algorithms: cuBLASLt has
+// none for it (the caller takes another way).
 struct LtPlan {
   cublasLtMatmulDesc_t op = nullptr;
   cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;
-  cublasLtMatmulAlgo_t algo;
-  bool algo_ok = false;
+  std::vector<cublasLtMatmulAlgo_t> algos;
 };
 
 struct DeviceHandle {
@@ -155,7 +172,8 @@ ffi::Error device_handle(DeviceHandle** out) {
 // with the same leading dimension. So the row-major Y[M,N] = op(A) op(B) is
 // the column-major Y^T[N,M] = op(B)^T op(A)^T: B becomes cuBLAS's first
 // operand and A its second, each transposed for cuBLAS exactly when it was
-// transposed for us, and the output's leading dimension is N.
+// transposed for us, and the output's leading dimension is N. Our per-column
+// bias runs along Y^T's rows: cuBLASLt's bias vector.
 struct ColMajorGemm {
   cublasOperation_t op_a, op_b;
   int64_t m, n, k;
@@ -176,13 +194,42 @@ ColMajorGemm col_major(const GemmProblem& p, const GemmOperands& o) {
                       o.y, p.n, p.m * p.n};
 }
 
-// cuBLASLt's fused epilogue covers Y = act(alpha op(A) op(B) + bias) for
-// these: f32, act none or relu, a per-column bias (cuBLASLt's per-row bias of
-// the column-major Y^T), no C, no Z, one problem.
-bool lt_bias_fits(const GemmProblem& p) {
-  return p.dtype == DType::kF32 && p.batch == 1 && p.bias_kind == BiasKind::kPerCol &&
-         (p.act == Act::kNone || p.act == Act::kRelu) && !(p.has_c && p.beta != 0.0) && !p.store_z;
+bool use_c(const GemmProblem& p) { return p.has_c && p.beta != 0.0; }
+
+// The cuBLASLt epilogue that computes the whole problem in the matmul, if
+// any: act none, relu, or gelu (not for f32 HIGHEST and f64, where the
+// precise pass is the reference); a per-column bias (16-byte aligned: there
+// is no alignment preference for it) or none; C through beta; Z only for gelu
+// (GELU_AUX: the GELU input, bias and C included); one problem, unless a plain
+// GEMM (bias, aux and C would need batch strides of their own).
+bool lt_epilogue(const GemmProblem& p, const GemmOperands& o, cublasLtEpilogue_t* e) {
+  if (p.is_plain_gemm()) { *e = CUBLASLT_EPILOGUE_DEFAULT; return true; }
+  if (p.batch != 1 || p.dtype == DType::kF64) return false;
+  const bool bias = p.bias_kind == BiasKind::kPerCol;
+  if ((p.bias_kind != BiasKind::kNone && !bias) || (bias && !aligned16(o.bias))) return false;
+  switch (p.act) {
+    case Act::kNone:
+      if (p.store_z) return false;
+      *e = bias ? CUBLASLT_EPILOGUE_BIAS : CUBLASLT_EPILOGUE_DEFAULT;
+      return true;
+    case Act::kRelu:
+      if (p.store_z) return false;  // RELU_AUX keeps a bit mask, not Z
+      *e = bias ? CUBLASLT_EPILOGUE_RELU_BIAS : CUBLASLT_EPILOGUE_RELU;
+      return true;
+    case Act::kGelu:
+      if (p.dtype == DType::kF32 && p.exact_f32) return false;
+      if (p.store_z) {
+        if (!aligned16(o.z) || p.n % 8 != 0) return false;  // AUX_LD: a multiple of 8
+        *e = bias ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS : CUBLASLT_EPILOGUE_GELU_AUX;
+      } else {
+        *e = bias ? CUBLASLT_EPILOGUE_GELU_BIAS : CUBLASLT_EPILOGUE_GELU;
+      }
+      return true;
+    default: return false;
+  }
 }
+
+bool has_aux(cublasLtEpilogue_t e) { return e == CUBLASLT_EPILOGUE_GELU_AUX || e == CUBLASLT_EPILOGUE_GELU_AUX_BIAS; }
 
 ffi::Error set_batch(cublasLtMatrixLayout_t l, int64_t batch, int64_t stride) {
   if (batch == 1) return ffi::Error::Success();
@@ -203,6 +250,10 @@ ffi::Error make_plan(cublasLtHandle_t lt, const LtKey& key, LtPlan* plan) {
   REGEMM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_TRANSB, &op_b, sizeof op_b));
   const auto epilogue = cublasLtEpilogue_t(key.epilogue);
   REGEMM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue, sizeof epilogue));
+  if (has_aux(epilogue)) {  // Z, laid out as Y^T (leading dimension = the column-major rows)
+    const int64_t ld = key.ldc;
+    REGEMM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &ld, sizeof ld));
+  }
   // Layouts as stored (rows x cols of the column-major matrix, before op).
   REGEMM_CUBLAS_CHECK(
       cublasLtMatrixLayoutCreate(&plan->a, type, key.ta ? key.k : key.m, key.ta ? key.m : key.k, key.lda));
@@ -232,20 +283,29 @@ ffi::Error make_plan(cublasLtHandle_t lt, const LtKey& key, LtPlan* plan) {
                                                            &key.align_c, sizeof key.align_c));
   REGEMM_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
                                                            &key.align_c, sizeof key.align_c));
-  cublasLtMatmulHeuristicResult_t h;
+  cublasLtMatmulHeuristicResult_t h[kLtAlgos];
   int found = 0;
   const cublasStatus_t st =
-      cublasLtMatmulAlgoGetHeuristic(lt, plan->op, plan->a, plan->b, plan->d, plan->d, pref, 1, &h, &found);
-  if (st == CUBLAS_STATUS_NOT_SUPPORTED || (st == CUBLAS_STATUS_SUCCESS && found == 0)) return ffi::Error::Success();
+      cublasLtMatmulAlgoGetHeuristic(lt, plan->op, plan->a, plan->b, plan->d, plan->d, pref, kLtAlgos, h, &found);
+  if (st == CUBLAS_STATUS_NOT_SUPPORTED) return ffi::Error::Success();
   REGEMM_CUBLAS_CHECK(st);
-  plan->algo = h.algo;
-  plan->algo_ok = true;
+  for (int i = 0; i < found; ++i)
+    if (h[i].state == CUBLAS_STATUS_SUCCESS) plan->algos.push_back(h[i].algo);
   return ffi::Error::Success();
 }
 
-// The plan for key (made once; kept for the process), or null when making it
-// failed (*err says why).
-const LtPlan* plan_for(DeviceHandle& dh, const LtKey& key, ffi::Error* err) {
+// The plan for one matmul (made once; kept for the process), or null when
+// making it failed (*err says why). Under the device's lock.
+const LtPlan* plan_for(DeviceHandle& dh, const GemmProblem& p, const GemmOperands& o, const Types& t,
+                       cublasLtEpilogue_t epilogue, bool with_c, size_t workspace_bytes, ffi::Error* err) {
+  if (p.batch > 0x7fffffff) return nullptr;  // cuBLASLt's batch count is an int32
+  const ColMajorGemm g = col_major(p, o);
+  uint32_t align_c = alignment(g.c);
+  if (with_c) align_c = std::min(align_c, alignment(o.c));
+  if (has_aux(epilogue)) align_c = std::min(align_c, alignment(o.z));
+  const LtKey key{int(t.compute), int(t.type), int(epilogue), g.op_a == CUBLAS_OP_T, g.op_b == CUBLAS_OP_T,
+                  g.m, g.n, g.k, g.lda, g.ldb, g.ldc, p.batch, g.stride_a, g.stride_b, g.stride_c,
+                  alignment(g.a), alignment(g.b), align_c, uint64_t(workspace_bytes)};
   auto it = dh.plans.find(key);
   if (it != dh.plans.end()) return &it->second;
   LtPlan plan;
@@ -260,92 +320,156 @@ const LtPlan* plan_for(DeviceHandle& dh, const LtKey& key, ffi::Error* err) {
   return &dh.plans.emplace(key, plan).first->second;
 }
 
-// Y = epilogue(alpha op(A) op(B) [+ bias]) as one cuBLASLt matmul; *ran false
-// when cuBLASLt has no algorithm for it (the caller then takes cublasGemmEx).
-ffi::Error run_lt(const GemmProblem& p, const GemmOperands& o, cublasComputeType_t compute, cudaDataType_t type,
-                  cublasLtEpilogue_t epilogue, DeviceHandle& dh, void* workspace, size_t workspace_bytes,
-                  cudaStream_t stream, bool* ran) {
+// ---------------------------------------------------------------------------
+// The ways to run a problem. Variant v: way v / kLtAlgos with the heuristic's
+// algorithm v % kLtAlgos; kGemmEx alone.
+// ---------------------------------------------------------------------------
+enum Way : int {
+  kLtFused = 0,  // one matmul with the epilogue lt_epilogue() gives (a plain GEMM: none)
+  kLtPass = 1,   // the matmul, then the epilogue as a pass (not for plain GEMMs)
+  kGemmEx = 2,   // cublasGemmStridedBatchedEx (+ the pass): where cuBLASLt has no algorithm
+};
+constexpr int kNumVariants = 2 * kLtAlgos + 1;
+
+// What a call needs: the device's handle (locked by the caller), types, workspace.
+struct Call {
+  DeviceHandle* dh;
+  Types t;
+  void* workspace;
+  size_t workspace_bytes;
+};
+
+ffi::Error prepare(const GemmProblem& p, CudaRuntime& rt, Call* c) {
+  if (!types_of(p, &c->t)) return bad("cuBLAS GEMM: unsupported dtype");
+  c->workspace = rt.take(kGemmWorkspaceBytes);  // null: zero-size workspace
+  c->workspace_bytes = c->workspace ? kGemmWorkspaceBytes : 0;
+  return device_handle(&c->dh);
+}
+
+// The epilogue of `way` for p (kLtPass: the plain matmul), or false where the way does not apply.
+bool way_epilogue(const GemmProblem& p, const GemmOperands& o, Way way, cublasLtEpilogue_t* e) {
+  if (way == kLtFused) return lt_epilogue(p, o, e);
+  *e = CUBLASLT_EPILOGUE_DEFAULT;
+  return way == kLtPass && !p.is_plain_gemm();
+}
+
+// Runs the epilogue pass after a plain matmul into Y (16-bit types with the
+// fast activations, as the fused CUTLASS epilogue; f32/f64 precise).
+ffi::Error pass_after(const GemmProblem& p, const GemmOperands& o, CudaRuntime& rt) {
+  if (p.is_plain_gemm()) return ffi::Error::Success();
+  const bool fast = p.dtype == DType::kBF16 || p.dtype == DType::kF16;
+  if (const char* err = epilogue_pass(p, o, /*with_bias_c=*/true, fast, rt.stream))
+    return ffi::Error::Internal(std::string("regemm: CUDA error from the epilogue pass launch: ") + err);
+  ++rt.ops;
+  return ffi::Error::Success();
+}
+
+// One cuBLASLt matmul of `way` with the heuristic's algorithm `algo` (and
+// the pass, for kLtPass); *ran false where the plan has no algorithm. A plan
+// with fewer algorithms (other pointer alignments than the tuner's, under
+// the same signature: tuner.cu) runs its last one.
+ffi::Error run_lt(const GemmProblem& p, const GemmOperands& o, Way way, int algo, const Call& c, CudaRuntime& rt,
+                  bool* ran) {
   *ran = false;
-  if (p.batch > 0x7fffffff) return ffi::Error::Success();  // cuBLASLt's batch count is an int32
-  const ColMajorGemm g = col_major(p, o);
-  const LtKey key{int(compute), int(type), int(epilogue), g.op_a == CUBLAS_OP_T, g.op_b == CUBLAS_OP_T,
-                  g.m, g.n, g.k, g.lda, g.ldb, g.ldc, p.batch, g.stride_a, g.stride_b, g.stride_c,
-                  alignment(g.a), alignment(g.b), alignment(g.c), workspace ? uint64_t(workspace_bytes) : 0};
+  cublasLtEpilogue_t epilogue;
+  if (!way_epilogue(p, o, way, &epilogue)) return ffi::Error::Success();
+  const bool with_c = way == kLtFused && use_c(p);
   ffi::Error err = ffi::Error::Success();
-  const LtPlan* plan = plan_for(dh, key, &err);
+  const LtPlan* plan = plan_for(*c.dh, p, o, c.t, epilogue, with_c, c.workspace_bytes, &err);
   if (!plan) return err;
-  if (!plan->algo_ok) return ffi::Error::Success();
-  if (epilogue != CUBLASLT_EPILOGUE_DEFAULT) {
+  if (plan->algos.empty()) return ffi::Error::Success();
+  algo = std::min(algo, int(plan->algos.size()) - 1);
+  if (epilogue == CUBLASLT_EPILOGUE_BIAS || epilogue == CUBLASLT_EPILOGUE_RELU_BIAS ||
+      epilogue == CUBLASLT_EPILOGUE_GELU_BIAS || epilogue == CUBLASLT_EPILOGUE_GELU_AUX_BIAS) {
     const void* bias = o.bias;
     REGEMM_CUBLAS_CHECK(
         cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof bias));
   }
-  const Scalars ab(p.alpha, type == CUDA_R_64F);
-  REGEMM_CUBLAS_CHECK(cublasLtMatmul(dh.lt, plan->op, ab.alpha(), g.a, plan->a, g.b, plan->b, ab.beta(), g.c,
-                                     plan->d, g.c, plan->d, &plan->algo, workspace, key.workspace, stream));
+  if (has_aux(epilogue)) {
+    void* aux = o.z;
+    REGEMM_CUBLAS_CHECK(
+        cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &aux, sizeof aux));
+  }
+  const ColMajorGemm g = col_major(p, o);
+  const Scalars ab(p.alpha, with_c ? p.beta : 0.0, c.t.type == CUDA_R_64F);
+  REGEMM_CUBLAS_CHECK(cublasLtMatmul(c.dh->lt, plan->op, ab.alpha(), g.a, plan->a, g.b, plan->b, ab.beta(),
+                                     with_c ? o.c : g.c, plan->d, g.c, plan->d, &plan->algos[algo], c.workspace,
+                                     c.workspace_bytes, rt.stream));
+  ++rt.ops;
   *ran = true;
-  return ffi::Error::Success();
+  return way == kLtPass ? pass_after(p, o, rt) : ffi::Error::Success();
 }
 
+// cublasGemmStridedBatchedEx picks its own algorithm; then the pass.
+ffi::Error run_gemm_ex(const GemmProblem& p, const GemmOperands& o, const Call& c, CudaRuntime& rt) {
+  const Scalars ab(p.alpha, 0.0, c.t.type == CUDA_R_64F);
+  // SetStream resets the workspace to cuBLAS's own pool, so it goes first.
+  REGEMM_CUBLAS_CHECK(cublasSetStream(c.dh->handle, rt.stream));
+  REGEMM_CUBLAS_CHECK(cublasSetWorkspace(c.dh->handle, c.workspace, c.workspace_bytes));
+  const ColMajorGemm g = col_major(p, o);
+  REGEMM_CUBLAS_CHECK(cublasGemmStridedBatchedEx_64(c.dh->handle, g.op_a, g.op_b, g.m, g.n, g.k, ab.alpha(),
+                                                    g.a, c.t.type, g.lda, g.stride_a,
+                                                    g.b, c.t.type, g.ldb, g.stride_b, ab.beta(),
+                                                    g.c, c.t.type, g.ldc, g.stride_c,
+                                                    p.batch, c.t.compute, CUBLAS_GEMM_DEFAULT));
+  ++rt.ops;
+  return pass_after(p, o, rt);
+}
+
+// The rule: the fused matmul where it applies, else the matmul and the pass,
+// each with the heuristic's first algorithm; cublasGemmEx where cuBLASLt has none.
 ffi::Error run_cublas(const GemmProblem& p, const GemmOperands& o, CudaRuntime& rt) {
-  cudaDataType_t type;
-  cublasComputeType_t compute;
-  switch (p.dtype) {
-    case DType::kF32:
-      type = CUDA_R_32F;
-      compute = p.exact_f32 ? CUBLAS_COMPUTE_32F : CUBLAS_COMPUTE_32F_FAST_TF32;
-      break;
-    case DType::kF64: type = CUDA_R_64F; compute = CUBLAS_COMPUTE_64F; break;
-    case DType::kBF16: type = CUDA_R_16BF; compute = CUBLAS_COMPUTE_32F; break;
-    case DType::kF16: type = CUDA_R_16F; compute = CUBLAS_COMPUTE_32F; break;
-    default: return bad("cuBLAS GEMM: unsupported dtype");
+  Call c;
+  if (auto e = prepare(p, rt, &c); e.failure()) return e;
+  std::lock_guard<std::mutex> lock(c.dh->mu);
+  for (Way way : {kLtFused, kLtPass}) {
+    bool ran = false;
+    if (auto e = run_lt(p, o, way, 0, c, rt, &ran); e.failure() || ran) return e;
   }
-  void* workspace = rt.take(kGemmWorkspaceBytes);  // null: zero-size workspace
-
-  DeviceHandle* dh = nullptr;
-  if (auto e = device_handle(&dh); e.failure()) return e;
-  std::lock_guard<std::mutex> lock(dh->mu);
-  // The bias (and relu) in cuBLASLt's epilogue where it fits; the bias
-  // pointer must be 16-byte aligned (there is no alignment preference for it).
-  const bool lt_bias = lt_bias_fits(p) && alignment(o.bias) >= 16;
-  const cublasLtEpilogue_t epilogue = p.act == Act::kRelu ? CUBLASLT_EPILOGUE_RELU_BIAS : CUBLASLT_EPILOGUE_BIAS;
-  bool ran = false;
-  if (lt_bias) {  // done, unless cuBLASLt has no algorithm with the bias epilogue: then the GEMM and the pass
-    if (auto e = run_lt(p, o, compute, type, epilogue, *dh, workspace, kGemmWorkspaceBytes, rt.stream, &ran);
-        e.failure())
-      return e;
-    if (ran) return ffi::Error::Success();
-  }
-  if (auto e = run_lt(p, o, compute, type, CUBLASLT_EPILOGUE_DEFAULT, *dh, workspace, kGemmWorkspaceBytes,
-                      rt.stream, &ran);
-      e.failure())
-    return e;
-  if (!ran) {  // no cuBLASLt algorithm at all: cublasGemmEx picks its own
-    const Scalars ab(p.alpha, type == CUDA_R_64F);
-    // SetStream resets the workspace to cuBLAS's own pool, so it goes first.
-    REGEMM_CUBLAS_CHECK(cublasSetStream(dh->handle, rt.stream));
-    REGEMM_CUBLAS_CHECK(cublasSetWorkspace(dh->handle, workspace, workspace ? kGemmWorkspaceBytes : 0));
-    const ColMajorGemm g = col_major(p, o);
-    REGEMM_CUBLAS_CHECK(cublasGemmStridedBatchedEx_64(dh->handle, g.op_a, g.op_b, g.m, g.n, g.k, ab.alpha(),
-                                                      g.a, type, g.lda, g.stride_a,
-                                                      g.b, type, g.ldb, g.stride_b, ab.beta(),
-                                                      g.c, type, g.ldc, g.stride_c,
-                                                      p.batch, compute, CUBLAS_GEMM_DEFAULT));
-  }
-  if (p.is_plain_gemm()) return ffi::Error::Success();
-  if (const char* err = epilogue_pass(p, o, /*with_bias_c=*/true, /*fast_math=*/false, rt.stream))
-    return ffi::Error::Internal(std::string("regemm: CUDA error from the epilogue pass launch: ") + err);
-  return ffi::Error::Success();
+  return run_gemm_ex(p, o, c, rt);
 }
 
-// Plain GEMMs, and f32/f64 problems with an epilogue; K > 0 (K = 0 needs
-// Y = act(beta C + bias), which the SIMT kernel writes). Above the SIMT
-// fallback.
+void variants(const GemmProblem& p, const GemmOperands& o, CudaRuntime& rt, std::vector<std::string>* names) {
+  if (p.k == 0) return;
+  Call c;
+  if (prepare(p, rt, &c).failure()) return;
+  std::lock_guard<std::mutex> lock(c.dh->mu);
+  names->assign(kNumVariants, "");
+  bool any_lt = false;
+  for (Way way : {kLtFused, kLtPass}) {
+    cublasLtEpilogue_t epilogue;
+    if (!way_epilogue(p, o, way, &epilogue)) continue;
+    ffi::Error err = ffi::Error::Success();
+    const LtPlan* plan = plan_for(*c.dh, p, o, c.t, epilogue, way == kLtFused && use_c(p), c.workspace_bytes, &err);
+    const int n = plan ? int(plan->algos.size()) : 0;
+    for (int i = 0; i < n; ++i)
+      (*names)[way * kLtAlgos + i] = std::string(way == kLtFused ? "lt" : "lt+pass") + "#" + std::to_string(i);
+    any_lt = any_lt || n > 0;
+  }
+  if (!any_lt) (*names)[kNumVariants - 1] = p.is_plain_gemm() ? "gemmex" : "gemmex+pass";
+}
+
+ffi::Error run_variant(const GemmProblem& p, const GemmOperands& o, CudaRuntime& rt, int v) {
+  Call c;
+  if (auto e = prepare(p, rt, &c); e.failure()) return e;
+  std::lock_guard<std::mutex> lock(c.dh->mu);
+  if (v == kNumVariants - 1) return run_gemm_ex(p, o, c, rt);
+  bool ran = false;
+  if (auto e = run_lt(p, o, Way(v / kLtAlgos), v % kLtAlgos, c, rt, &ran); e.failure()) return e;
+  return ran ? ffi::Error::Success() : bad("cuBLAS: no such algorithm for this problem");
+}
+
+// The rule's cuBLAS problems: plain GEMMs, and f32 and f64 problems (the
+// pass keeps their accumulator); K > 0 (K = 0 needs Y = act(beta C + bias),
+// which the SIMT kernel writes). Above the SIMT fallback, below the fused
+// CUTLASS kernels. 16-bit problems with an epilogue reach cuBLAS only through
+// the tuner (variants).
 bool supports(const GemmProblem& p) {
   return p.k > 0 && (p.is_plain_gemm() || p.dtype == DType::kF32 || p.dtype == DType::kF64);
 }
 
-const Register<GemmProblem, GemmOperands, CudaRuntime> kRegister({"cublas", 10, supports, run_cublas});
+const Register<GemmProblem, GemmOperands, CudaRuntime> kRegister(
+    {"cublas", 10, supports, run_cublas, variants, run_variant});
 
 }  // namespace
 }  // namespace regemm

@@ -3,12 +3,9 @@
 
 #include <cuda_runtime.h>
 
-#include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <map>
 #include <mutex>
-#include <tuple>
 
 #include "pack.h"
 
@@ -113,8 +110,9 @@ Status launch(RunFn fn, const GemmProblem& p, const GemmOperands& o, const Launc
 // ---------------------------------------------------------------------------
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-// Without timing (under graph capture, or REGEMM_CUTLASS_TUNE=0): a rule from
-// the measured winners (benchmarks/NOTES_perf.md, device runs 1-2, with bias):
+// The rule (the registry's choice without timing, also under graph capture
+// before the tuner has seen a problem): from the measured winners
+// (benchmarks/NOTES_perf.md, device runs 1-2, with bias):
 // - no more 128x128 tiles than SMs (2048x1024 outputs): stream-K, which spreads
 //   K over the idle SMs (bf16 1.37x cuBLAS vs 1.73 ping-pong, 2.38 cooperative);
 // - K <= 256 (65536x256x256): the 128x128 cooperative tile, i.e. the stream-K
@@ -140,12 +138,13 @@ Config rule_config(const GemmProblem& p, const DeviceInfo& dev, DType t, bool ta
   return c;
 }
 
-bool forced_config(Config* c) {
+// -1 when REGEMM_CUTLASS_CONFIG is unset, else the config it names (-2: no such name).
+int forced_config() {
   const char* v = std::getenv("REGEMM_CUTLASS_CONFIG");
-  if (!v || !*v) return false;
+  if (!v || !*v) return -1;
   for (int i = 0; i < kNumConfigs; ++i)
-    if (std::strcmp(v, kConfigNames[i]) == 0) { *c = Config(i); return true; }
-  return false;
+    if (std::strcmp(v, kConfigNames[i]) == 0) return i;
+  return -2;
 }
 
 // How a problem runs: a tile configuration, and whether a costly activation
@@ -166,24 +165,6 @@ int forced_split() {
   return env_off("REGEMM_CUTLASS_SPLIT") ? 0 : 1;
 }
 
-// Everything the winner can depend on: the activation only as "which costly
-// one" (the cheap ones all run fused and cost the same).
-using TuneKey = std::tuple<int, bool, bool, int64_t, int64_t, int64_t, int64_t, bool, bool, int, int>;
-std::mutex g_tune_mu;
-std::map<TuneKey, Choice> g_tuned;
-
-TuneKey tune_key(const GemmProblem& p) {
-  const bool use_c = p.has_c && p.beta != 0.0;
-  return {int(p.dtype), p.trans_a, p.trans_b, p.m, p.n, p.k, p.batch, use_c, p.store_z, int(p.bias_kind),
-          costly_act(p.act) ? int(p.act) : -1};
-}
-
-bool overlaps(const void* a, const void* b, int64_t bytes) {
-  if (!a || !b) return false;
-  auto x = reinterpret_cast<uintptr_t>(a), y = reinterpret_cast<uintptr_t>(b);
-  return x < y + bytes && y < x + bytes;
-}
-
 // One run of the GEMM with a choice: fused, or Z (bias and C included) into
 // Y's place and then the activation as a pass over it, which also writes Z.
 Status execute(RunFn fn, Choice ch, const GemmProblem& p, const GemmOperands& o, const Launch& l) {
@@ -200,119 +181,13 @@ Status execute(RunFn fn, Choice ch, const GemmProblem& p, const GemmOperands& o,
   return {};
 }
 
-// Holds the stream for `ns` nanoseconds (one thread, sleeping): work queued
-// behind it starts back to back when it ends, however slowly the host queued it.
-__device__ __forceinline__ uint64_t global_ns() {
-  uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-__global__ void hold_stream(uint64_t ns) {
-  const uint64_t t0 = global_ns();
-  while (global_ns() - t0 < ns) __nanosleep(1000);
-}
-
-// Times every built config (and, for a costly activation, fused vs split) on
-// the call's stream; returns false (no opinion) when timing is not possible.
-// Device time, not the host's: each candidate's timed runs are queued behind
-// hold_stream, which outlasts their queuing (a small problem's kernel is
-// shorter than the host's ~10-20 us per launch; timed as they were queued,
-// the candidates compared host costs).
-bool tune(const GemmProblem& p, const GemmOperands& o, const Launch& l, Choice* best) {
-  const int64_t bytes = p.m * p.n * p.batch * dtype_bytes(p.dtype);
-  if (p.has_c && (overlaps(o.c, o.y, bytes) || overlaps(o.c, o.z, bytes))) return false;
-
-  cudaEvent_t ev[2];
-  if (cudaEventCreate(&ev[0]) != cudaSuccess) { cudaGetLastError(); return false; }
-  if (cudaEventCreate(&ev[1]) != cudaSuccess) { cudaGetLastError(); cudaEventDestroy(ev[0]); return false; }
-  // Repeats: enough work per candidate to see past launch noise (~1 ms or 3 runs).
-  const double flops = 2.0 * double(p.m) * double(p.n) * double(p.k) * double(p.batch);
-  const int reps = flops > 4e11 ? 3 : flops > 4e10 ? 5 : 10;
-  constexpr int64_t kHoldPerRunNs = 100000;  // host time to queue one run: ~20 us measured, 5x margin
-  constexpr double kExtraOpUs = 4.0;  // host cost of a launch (results/h100_host_cost.md: 3.8-4.1 us)
-  const int fs = forced_split();
-  const bool log = std::getenv("REGEMM_CUTLASS_TUNE_LOG") && !env_off("REGEMM_CUTLASS_TUNE_LOG");
-  float best_ms = 0;
-  bool found = false;
-  for (int c = 0; c < kNumConfigs; ++c) {
-    RunFn fn = KernelTable::get().find(p.dtype, p.trans_a, p.trans_b, Config(c));
-    if (!fn) continue;
-    for (int split = 0; split < (costly_act(p.act) ? 2 : 1); ++split) {
-      if (fs >= 0 && split != fs) continue;
-      const Choice ch{Config(c), split == 1};
-      // Warm-up (and: can it run at all?), counting the device operations of a run.
-      int ops = 0;
-      Launch lc = l;
-      lc.enqueued = &ops;
-      if (!execute(fn, ch, p, o, lc).ok()) continue;
-      hold_stream<<<1, 1, 0, l.stream>>>(uint64_t(kHoldPerRunNs) * uint64_t(reps + 2));
-      if (cudaGetLastError() != cudaSuccess) continue;
-      cudaEventRecord(ev[0], l.stream);
-      bool ok = true;
-      for (int r = 0; r < reps && ok; ++r) ok = execute(fn, ch, p, o, l).ok();
-      cudaEventRecord(ev[1], l.stream);
-      float ms = 0;
-      if (!ok || cudaEventSynchronize(ev[1]) != cudaSuccess || cudaEventElapsedTime(&ms, ev[0], ev[1]) != cudaSuccess) {
-        cudaGetLastError();
-        continue;
-      }
-      // Compared: device time per run, plus kExtraOpUs for each device
-      // operation beyond the kernel (stream-K's workspace memset where it has
-      // one, the split choice's pass): each costs the host one more enqueue,
-      // idle device time wherever the host is not ahead of the GPU (small
-      // problems outside CUDA graphs; 17-37 us per memset under the profiler).
-      // A batch that runs as a loop of single GEMMs counts per GEMM.
-      const int extra_ops = ops > 1 ? ops - 1 : 0;
-      ms += float(extra_ops * kExtraOpUs * 1e-3 * reps);
-      if (log)
-        std::fprintf(stderr, "regemm tune: %s m=%lld n=%lld k=%lld batch=%lld %s: %s%s %.2f us (device time + %.0f us x %d extra ops)\n",
-                     kDTypeNames[int(p.dtype)].data(), (long long)p.m, (long long)p.n, (long long)p.k,
-                     (long long)p.batch, kActNames[int(p.act)].data(), kConfigNames[c], ch.split ? " + pass" : "",
-                     1e3 * ms / reps, kExtraOpUs, extra_ops);
-      if (!found || ms < best_ms) { best_ms = ms; *best = ch; found = true; }
-    }
-  }
-  cudaEventDestroy(ev[0]);
-  cudaEventDestroy(ev[1]);
-  return found;
-}
-
 Choice rule_choice(const GemmProblem& p, const DeviceInfo& dev) {
-  const int fs = forced_split();
-  return {rule_config(p, dev, p.dtype, p.trans_a, p.trans_b), fs == 1};
+  const int fc = forced_config();
+  const Config c = fc >= 0 && KernelTable::get().find(p.dtype, p.trans_a, p.trans_b, Config(fc))
+                       ? Config(fc)
+                       : rule_config(p, dev, p.dtype, p.trans_a, p.trans_b);
+  return {c, forced_split() == 1 && costly_act(p.act)};
 }
-
-Choice choose(const GemmProblem& p, const GemmOperands& o, const Launch& l) {
-  Config c;
-  if (forced_config(&c) && KernelTable::get().find(p.dtype, p.trans_a, p.trans_b, c)) return {c, forced_split() == 1};
-  const TuneKey key = tune_key(p);
-  {
-    std::lock_guard<std::mutex> lock(g_tune_mu);
-    if (auto it = g_tuned.find(key); it != g_tuned.end()) return it->second;
-  }
-  Choice ch;
-  if (l.capturing || env_off("REGEMM_CUTLASS_TUNE") || !tune(p, o, l, &ch)) return rule_choice(p, l.dev);
-  std::lock_guard<std::mutex> lock(g_tune_mu);
-  g_tuned.emplace(key, ch);
-  return ch;
-}
-
-}  // namespace
-
-Config peek_config(const GemmProblem& p, const DeviceInfo& dev, bool* split) {
-  Choice ch = rule_choice(p, dev);
-  Config c;
-  if (forced_config(&c) && KernelTable::get().find(p.dtype, p.trans_a, p.trans_b, c)) {
-    ch = {c, forced_split() == 1};
-  } else {
-    std::lock_guard<std::mutex> lock(g_tune_mu);
-    if (auto it = g_tuned.find(tune_key(p)); it != g_tuned.end()) ch = it->second;
-  }
-  if (split) *split = ch.split && costly_act(p.act);
-  return ch.config;
-}
-
-namespace {
 
 // B [K, N] -> Bt [N, K] (f32), one 32x32 tile per block through padded shared
 // memory (coalesced reads and writes); blockIdx.z walks the batch.
@@ -351,6 +226,7 @@ struct TransposeB {
   const float* b;
   float* bt;
   int64_t k, n, stride_b, batch;
+  int* enqueued;  // Launch::enqueued: the transpose is one more device operation
   bool done = false;
   static Status launch(void* ctx, cudaStream_t stream) {
     auto* t = static_cast<TransposeB*>(ctx);
@@ -358,13 +234,13 @@ struct TransposeB {
     const dim3 grid(unsigned(ceil_div(t->n, 32)), unsigned(ceil_div(t->k, 32)), unsigned(t->batch));
     transpose_f32<<<grid, dim3(32, 8), 0, stream>>>(t->b, t->bt, t->k, t->n, t->stride_b, t->k * t->n);
     if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return {"transpose launch", cudaGetErrorString(e)};
+    if (t->enqueued) ++*t->enqueued;
     t->done = true;
     return {};
   }
 };
 
-Status run_config(const GemmProblem& p, const GemmOperands& o, const Launch& l) {
-  Choice ch = choose(p, o, l);
+Status run_config(const GemmProblem& p, const GemmOperands& o, const Launch& l, Choice ch) {
   RunFn fn = KernelTable::get().find(p.dtype, p.trans_a, p.trans_b, ch.config);
   if (!fn) return {"dispatch", "no kernel built for this dtype and layout"};
   Status st = execute(fn, ch, p, o, l);
@@ -390,14 +266,14 @@ void* alloc_after_bt(void* ctx, size_t bytes) {
   return p ? p + a->skip : nullptr;
 }
 
-}  // namespace
-
-Status run(const GemmProblem& p, const GemmOperands& o, const Launch& l) {
+// The choice (null: the rule's) for p as the kernels see it: with B
+// transposed first (f32 x @ w), the problem they run has trans_b set.
+Status run_with(const GemmProblem& p, const GemmOperands& o, const Launch& l, const Choice* ch) {
   if (f32_transpose_b(p) && l.alloc) {
     const int64_t nb = p.batch > 1 && p.stride_b != 0 ? p.batch : 1;
     const size_t bt_bytes = size_t(p.k * p.n * nb) * sizeof(float);
     TransposeB t{static_cast<const float*>(o.b), static_cast<float*>(l.alloc(l.alloc_ctx, bt_bytes)), p.k, p.n,
-                 p.stride_b, nb};
+                 p.stride_b, nb, l.enqueued};
     if (t.bt && ceil_div(p.k, 32) <= 65535 && nb <= 65535) {
       GemmProblem q = p;
       q.trans_b = true;
@@ -410,10 +286,41 @@ Status run(const GemmProblem& p, const GemmOperands& o, const Launch& l) {
       lq.alloc_ctx = &after;
       lq.before = TransposeB::launch;
       lq.before_ctx = &t;
-      return run_config(q, ob, lq);
+      return run_config(q, ob, lq, ch ? *ch : rule_choice(q, l.dev));
     }
   }
-  return run_config(p, o, l);
+  return run_config(p, o, l, ch ? *ch : rule_choice(p, l.dev));
+}
+
+}  // namespace
+
+Status run(const GemmProblem& p, const GemmOperands& o, const Launch& l) { return run_with(p, o, l, nullptr); }
+
+const char* choice_name(const GemmProblem& p, int c) {
+  static const char* const kNames[kNumChoices] = {"coop128x256", "coop128x256+pass", "ping128x128",
+                                                  "ping128x128+pass", "streamk128x128", "streamk128x128+pass"};
+  static_assert(kNumChoices == 6, "one name per choice");
+  if (c < 0 || c >= kNumChoices) return nullptr;
+  const int config = c / 2, split = c % 2, fc = forced_config(), fs = forced_split();
+  if (split && !costly_act(p.act)) return nullptr;
+  if ((fc >= 0 && config != fc) || (fs >= 0 && split != fs)) return nullptr;
+  const bool tb = p.trans_b || f32_transpose_b(p);
+  if (!KernelTable::get().find(p.dtype, p.trans_a, tb, Config(config))) return nullptr;
+  return kNames[c];
+}
+
+Status run_choice(const GemmProblem& p, const GemmOperands& o, const Launch& l, int c) {
+  if (!choice_name(p, c)) return {"dispatch", "no such choice for this problem"};
+  const Choice ch{Config(c / 2), c % 2 == 1};
+  return run_with(p, o, l, &ch);
+}
+
+const char* rule_choice_name(const GemmProblem& p, const DeviceInfo& dev) {
+  GemmProblem q = p;
+  q.trans_b = p.trans_b || f32_transpose_b(p);
+  const Choice ch = rule_choice(q, dev);
+  const int c = int(ch.config) * 2 + (ch.split ? 1 : 0);
+  return choice_name(p, c) ? choice_name(p, c) : kConfigNames[int(ch.config)];
 }
 
 }  // namespace regemm::cutlass_sm90

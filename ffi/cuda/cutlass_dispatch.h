@@ -2,20 +2,14 @@
 // (the registry entry in cutlass_registry.cu wraps it; a test harness can call
 // it directly).
 //
-// Configuration choice, in order:
-//   REGEMM_CUTLASS_CONFIG=<name>  forces one (coop128x256, ping128x128, streamk128x128);
-//   the autotuner (default on; REGEMM_CUTLASS_TUNE=0 turns it off): on first
-//     sight of a problem signature it times every built configuration with CUDA
-//     events on the call's stream and caches the winner for the process. It
-//     never times inside a CUDA-graph capture, nor when C overlaps Y or Z (a
-//     candidate's run would overwrite the next one's input). For the costly
-//     activations (gelu, gelu_erf, silu, sigmoid, tanh) each configuration is
-//     also timed with the activation as a separate pass over Y (REGEMM_CUTLASS_SPLIT=0/1
-//     forces fused/split). It compares device time (the timed runs wait behind
-//     a kernel that holds the stream until they are all queued) plus 4 us per
-//     device operation beyond the kernel (a memset, a pass: one more enqueue
-//     for the host). REGEMM_CUTLASS_TUNE_LOG=1 prints every candidate's time;
-//   otherwise a rule on the tile count (rule_config in cutlass_dispatch.cu).
+// A problem runs one of kNumChoices ways: a tile configuration, with a costly
+// activation (gelu, gelu_erf, silu, sigmoid, tanh) fused into the epilogue or
+// as a separate pass over Y. The registry's tuner (tuner.cu) times them
+// beside the other entries' ways; without it, run() takes
+//   REGEMM_CUTLASS_CONFIG=<name>  (coop128x256, ping128x128, streamk128x128)
+//   and REGEMM_CUTLASS_SPLIT=0/1 where set (they also narrow the tuner's
+//   choices to those), else a rule on the tile count (rule_config in
+//   cutlass_dispatch.cu).
 #pragma once
 
 #include "cutlass_kernels.h"
@@ -34,15 +28,20 @@ bool can_run(const GemmProblem& p);
 // Whether the buffers meet TMA's 16-byte base alignment.
 bool can_launch(const GemmProblem& p, const GemmOperands& o);
 
-// Picks the configuration (forced, tuned or by rule) and launches it. Under
-// CUDA-graph capture (l.capturing) it does not tune. l.alloc's memory must
-// stay valid for as long as the work it is used for may run (replays of a
-// graph included).
+// Runs p the forced or the rule's way. l.alloc's memory must stay valid for
+// as long as the work it is used for may run (replays of a graph included).
 Status run(const GemmProblem& p, const GemmOperands& o, const Launch& l);
 
-// The configuration run() would use now for p (forced, cached tuning result,
-// or the rule), without tuning, and whether the activation runs as a separate
-// pass (*split). For tests and benchmarks.
-Config peek_config(const GemmProblem& p, const DeviceInfo& dev, bool* split = nullptr);
+// Choice c = 2 * config + split. Its name ("ping128x128", "coop128x256+pass"),
+// or null where it does not apply to p: kernel not built, a split of a cheap
+// activation, or excluded by REGEMM_CUTLASS_CONFIG / REGEMM_CUTLASS_SPLIT.
+inline constexpr int kNumChoices = 2 * kNumConfigs;
+const char* choice_name(const GemmProblem& p, int c);
+
+// Runs p with choice c (an error where choice_name(p, c) is null).
+Status run_choice(const GemmProblem& p, const GemmOperands& o, const Launch& l, int c);
+
+// The name of the choice run() makes for p. For tests and benchmarks.
+const char* rule_choice_name(const GemmProblem& p, const DeviceInfo& dev);
 
 }  // namespace regemm::cutlass_sm90

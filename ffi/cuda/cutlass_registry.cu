@@ -33,21 +33,46 @@ ffi::Error run_elsewhere(const GemmProblem& p, const GemmOperands& o, CudaRuntim
 // it has no room, and the dispatch then does without.
 void* workspace_alloc(void* ctx, size_t bytes) { return static_cast<CudaRuntime*>(ctx)->take(bytes); }
 
-ffi::Error run_entry(const GemmProblem& p, const GemmOperands& o, CudaRuntime& rt) {
-  const DeviceInfo* dev = sm90_device();
-  if (!dev || !can_launch(p, o)) return run_elsewhere(p, o, rt);
+Launch launch_for(CudaRuntime& rt, const DeviceInfo& dev) {
   Launch l;
   l.stream = rt.stream;
   l.capturing = rt.capturing;
-  l.dev = *dev;
+  l.dev = dev;
+  l.enqueued = &rt.ops;
   l.alloc = workspace_alloc;
   l.alloc_ctx = &rt;
-  const Status st = run(p, o, l);
+  return l;
+}
+
+ffi::Error to_ffi(const Status& st) {
   if (st.ok()) return ffi::Error::Success();
   return ffi::Error::Internal(std::string("regemm/cutlass: ") + st.stage + ": " + (st.detail ? st.detail : ""));
 }
 
-const Register<GemmProblem, GemmOperands, CudaRuntime> kRegister({kName, kPriority, supports, run_entry});
+ffi::Error run_entry(const GemmProblem& p, const GemmOperands& o, CudaRuntime& rt) {
+  const DeviceInfo* dev = sm90_device();
+  if (!dev || !can_launch(p, o)) return run_elsewhere(p, o, rt);
+  return to_ffi(run(p, o, launch_for(rt, *dev)));
+}
+
+// For the tuner: every choice (tile configuration x fused or split), plain
+// GEMMs included (the rule leaves those to cuBLAS; the tuner may not).
+void variants(const GemmProblem& p, const GemmOperands& o, CudaRuntime&, std::vector<std::string>* names) {
+  if (!can_run(p) || !can_launch(p, o)) return;
+  for (int c = 0; c < kNumChoices; ++c) {
+    const char* n = choice_name(p, c);
+    names->push_back(n ? n : "");
+  }
+}
+
+ffi::Error run_variant(const GemmProblem& p, const GemmOperands& o, CudaRuntime& rt, int c) {
+  const DeviceInfo* dev = sm90_device();
+  if (!dev || !can_launch(p, o)) return ffi::Error::InvalidArgument("regemm/cutlass: cannot launch this problem");
+  return to_ffi(run_choice(p, o, launch_for(rt, *dev), c));
+}
+
+const Register<GemmProblem, GemmOperands, CudaRuntime> kRegister(
+    {kName, kPriority, supports, run_entry, variants, run_variant});
 
 }  // namespace
 }  // namespace regemm::cutlass_sm90

@@ -7,13 +7,14 @@
 // CUDA graphs. That holds because nothing they enqueue outlives the graph's
 // resources: no host synchronisation, no allocation (the workspace is an XLA
 // buffer), and the cuBLAS handle is created under relaxed capture mode and
-// never freed. The CUTLASS tuner does not time under capture (rule instead).
+// never freed. The GEMM tuner does not time under capture (rule instead).
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 
 #include "../regemm/handlers.h"
 #include "../regemm/module_util.h"
 #include "runtime.h"
+#include "tuner.h"
 #include "workspace.h"
 
 namespace nb = nanobind;
@@ -61,4 +62,13 @@ NB_MODULE(_regemm_cuda, m) {
   // (handler calls, seconds of host time in them) so far (runtime.h).
   m.def("host_time", [] { return nb::make_tuple(regemm::g_host_calls.load(), regemm::g_host_ns.load() * 1e-9); });
   m.def("kernels", [] { return regemm::kernels_by_op<CudaRuntime>(); });
+  // The GEMM tuner (tuner.cu): {signature: "entry/variant"} chosen so far,
+  // how many problems were timed, and forgetting the in-process winners.
+  m.def("tuned", [] {
+    nb::dict d;
+    for (const auto& kv : regemm::tuner::winners()) d[nb::str(kv.first.c_str())] = nb::str(kv.second.c_str());
+    return d;
+  });
+  m.def("tuning_count", [] { return regemm::tuner::timings(); });
+  m.def("forget_tuned", [] { regemm::tuner::forget(); });
 }

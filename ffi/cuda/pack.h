@@ -1,7 +1,7 @@
 // 16-byte vector accesses for the memory-bound kernels (the backward
 // epilogue, dact.cu; the forward epilogue pass, epilogue_pass.cu) and the
-// alignment test that decides whether a buffer can take them (also TMA's,
-// for the CUTLASS kernels).
+// alignment tests that decide whether a buffer can take them (also TMA's,
+// for the CUTLASS kernels, and cuBLASLt's).
 #pragma once
 
 #include <cstdint>
@@ -15,5 +15,15 @@ template <class T> constexpr int kVec = int(16 / sizeof(T));
 template <class T, int V> struct alignas(sizeof(T) * V) Pack { T v[V]; };
 
 inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+// The largest power of two, up to 256, that divides the address (256 for
+// null): cuBLASLt's algorithms may assume the alignment they are told, and
+// the tuner keeps its winners per alignment.
+inline uint32_t alignment(const void* p) {
+  const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+  uint32_t al = 256;
+  while (al > 1 && (a & (al - 1))) al /= 2;
+  return al;
+}
 
 }  // namespace regemm

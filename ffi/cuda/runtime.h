@@ -18,6 +18,8 @@
 #include <cstdint>
 #include <string>
 
+#include "../regemm/problem.h"
+#include "../regemm/registry.h"
 #include "workspace.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -73,6 +75,18 @@ struct CudaRuntime {
   // Whether XLA is capturing `stream` into a CUDA graph (set by start()):
   // then nothing may be timed or synchronised.
   bool capturing = false;
+
+  // Device operations (kernels, memsets, library calls) enqueued so far; each
+  // backend adds its own. The tuner charges the host's cost per operation.
+  int ops = 0;
+
+  // Runs the kernel the registry's rule chose. GEMMs go through the tuner
+  // (tuner.cu), which may run another entry's way instead, timed faster.
+  template <class K, class P, class O> ffi::Error run(const K& kernel, const P& p, const O& o) {
+    return kernel.run(p, o, *this);
+  }
+  ffi::Error run(const Kernel<GemmProblem, GemmOperands, CudaRuntime>& rule, const GemmProblem& p,
+                 const GemmOperands& o);
 
   // Called once per handler call: asks whether the stream is being captured
   // (the one capture query of the call) and counts the captured calls.

@@ -205,6 +205,7 @@ ffi::Error run_t(const GemmProblem& p, const GemmOperands& o, cudaStream_t strea
 }
 
 ffi::Error run_simt(const GemmProblem& p, const GemmOperands& o, CudaRuntime& rt) {
+  ++rt.ops;
   switch (p.dtype) {
     case DType::kF32: return run_t<float>(p, o, rt.stream);
     case DType::kF64: return run_t<double>(p, o, rt.stream);
@@ -214,9 +215,19 @@ ffi::Error run_simt(const GemmProblem& p, const GemmOperands& o, CudaRuntime& rt
   return bad("SIMT GEMM: unsupported dtype");
 }
 
+// A candidate for the tuner only where timing it is cheap (up to 2^30
+// FLOPs: ~0.1 ms at the kernel's 14 TFLOP/s): past that the library
+// GEMMs win by far.
+void variants(const GemmProblem& p, const GemmOperands&, CudaRuntime&, std::vector<std::string>* names) {
+  if (2.0 * double(p.m) * double(p.n) * double(p.k) * double(p.batch) <= double(int64_t(1) << 30))
+    names->push_back("simt");
+}
+
+ffi::Error run_variant(const GemmProblem& p, const GemmOperands& o, CudaRuntime& rt, int) { return run_simt(p, o, rt); }
+
 // The fallback: supports everything, lowest priority.
 const Register<GemmProblem, GemmOperands, CudaRuntime> kRegister({
-    "cuda_simt", 0, [](const GemmProblem&) { return true; }, run_simt});
+    "cuda_simt", 0, [](const GemmProblem&) { return true; }, run_simt, variants, run_variant});
 
 }  // namespace
 }  // namespace regemm

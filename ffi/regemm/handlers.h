@@ -4,6 +4,9 @@
 // (what its kernels need at run time: a thread pool, or a stream and the
 // workspace) and the context types XLA hands over to build it from.
 //
+// The chosen kernel runs through the Runtime (rt.run): the CPU's runs it, the
+// CUDA runtime's may first time the registry's alternatives (its tuner).
+//
 // Every handler has one more result than the op: `workspace`, a byte buffer
 // that the lowering sizes per platform (0 bytes on the CPU; the CUDA
 // module's *_workspace_bytes functions say how much there). The Runtime is
@@ -139,7 +142,7 @@ ffi::Error gemm_handler(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer bias,
                      has_c ? at(c.untyped_data(), off[3], p.dtype) : nullptr,
                      at(y->untyped_data(), off[4], p.dtype),
                      store_z ? at(z->untyped_data(), off[5], p.dtype) : nullptr};
-    return kernel->run(p, ops, rt);
+    return rt.run(*kernel, p, ops);
   });
 }
 
@@ -207,7 +210,7 @@ ffi::Error dact_handler(ffi::AnyBuffer gy, ffi::AnyBuffer s, ffi::Result<ffi::An
     DactOperands ops{at(gy.untyped_data(), off[0], p.dtype), at(s.untyped_data(), off[1], p.dtype),
                      at(gz->untyped_data(), off[2], p.dtype),
                      p.bias_kind == BiasKind::kNone ? nullptr : at(gbias->untyped_data(), off[3], p.dtype)};
-    return kernel->run(p, ops, rt);
+    return rt.run(*kernel, p, ops);
   });
 }
 

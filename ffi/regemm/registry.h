@@ -4,9 +4,16 @@
 // Entries register themselves from their own translation unit (a static
 // Register object), so adding a kernel never touches the handlers. The env
 // var REGEMM_BACKEND=<name> forces a kernel by name wherever it applies.
+//
+// Two ways to choose: by rule (`select`: the forced or highest-priority entry
+// that supports the problem, which then runs its own choice), or by timing
+// (the CUDA runtime's tuner, ffi/cuda/tuner.cu): an entry may list the ways
+// it can run a problem (`variants`: tile configurations, library algorithms,
+// fused or split epilogues), and the tuner times them all, across entries.
 #pragma once
 
 #include <cstdlib>
+#include <string>
 #include <string_view>
 #include <vector>
 
@@ -20,10 +27,17 @@ template <class Problem, class Operands, class Runtime>
 struct Kernel {
   using Supports = bool (*)(const Problem&);
   using Run = ffi::Error (*)(const Problem&, const Operands&, Runtime&);
+  // names[v] names way v of running the problem ("" where way v does not
+  // apply to it); no names: not a candidate for timing. The indices must mean
+  // the same on every call with the same problem and operand alignments.
+  using Variants = void (*)(const Problem&, const Operands&, Runtime&, std::vector<std::string>* names);
+  using RunVariant = ffi::Error (*)(const Problem&, const Operands&, Runtime&, int variant);
   std::string_view name;
   int priority;  // higher wins among those that support a problem
-  Supports supports;
-  Run run;
+  Supports supports;  // a rule may pick it for the problem
+  Run run;            // the entry's own choice among its ways
+  Variants variants = nullptr;  // null: `run` is the only way (never timed)
+  RunVariant run_variant = nullptr;
 };
 
 template <class Problem, class Operands, class Runtime>

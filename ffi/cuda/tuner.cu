@@ -1,0 +1,373 @@
+// The GEMM tuner: the registry's selection with autotuning.
+//
+// On first sight of a problem signature, every way the registered kernels
+// offer to run it (Kernel::variants: the CUTLASS tile configurations, fused
+// or with a costly activation as a pass; cuBLASLt's first heuristic
+// algorithms, with cuBLASLt's own epilogue or ours as a pass; the SIMT kernel
+// on small problems) is timed on the call's stream, and the fastest is kept
+// for the process (and, with REGEMM_TUNE_CACHE, on disk). Later calls with
+// that signature run the winner for the cost of building the signature and
+// one map lookup (well under a microsecond of host time).
+//
+// Timing: the device time of `reps` back-to-back runs, queued behind a kernel
+// that holds the stream until the host has queued them all (it polls a word
+// of pinned host memory the host sets then; events around the runs), plus
+// kExtraOpUs for each device operation beyond the first (a memset, a second
+// kernel): an uncaptured call costs the host about that much per launch, more
+// than a small problem's kernel takes (results/h100_host_cost.md). The winner
+// runs once more at the end, so the call's outputs are its.
+//
+// No timing (the registry's rule runs, and nothing is remembered) when
+// REGEMM_TUNE=0, when the stream is being captured into a CUDA graph (nothing
+// may synchronise there), or when C overlaps Y or Z (a timed run would change
+// the next one's input).
+//
+// Environment: REGEMM_TUNE=0 turns it off; REGEMM_TUNE_LOG=1 prints every
+// candidate's time; REGEMM_TUNE_REPS=<n> timed runs per candidate (default 3
+// to 10, fewer for larger problems); REGEMM_TUNE_CACHE=<file> keeps winners across processes
+// (JSON, per device name and cuBLASLt version; written atomically, merged
+// with what other processes wrote); REGEMM_BACKEND=<entry> restricts the
+// candidates to that entry's ways; REGEMM_VARIANT=<entry/variant> (a label
+// as REGEMM_TUNE_LOG prints it) runs that way wherever the problem has it,
+// untimed. The signature includes the variables that change the candidate
+// lists, so forcing one never reuses a winner found without it.
+#include "tuner.h"
+
+#include <cublasLt.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <map>
+#include <mutex>
+#include <sstream>
+#include <unordered_map>
+
+#include "../regemm/handlers.h"
+#include "pack.h"
+#include "runtime.h"
+
+namespace regemm {
+namespace {
+
+using GemmEntry = Kernel<GemmProblem, GemmOperands, CudaRuntime>;
+
+bool env_set(const char* name) {
+  const char* v = std::getenv(name);
+  return v && *v && std::strcmp(v, "0") != 0 && std::strcmp(v, "off") != 0 && std::strcmp(v, "false") != 0;
+}
+bool env_off(const char* name) {
+  const char* v = std::getenv(name);
+  return v && (std::strcmp(v, "0") == 0 || std::strcmp(v, "off") == 0 || std::strcmp(v, "false") == 0);
+}
+
+// Everything a winner may depend on: the problem, whether the batch shares
+// operands (a loop of GEMMs or one batched call), the buffers' alignment up to
+// 16 bytes (which ways apply: TMA and 16-byte vectors need 16; beyond that
+// XLA's buffer offsets differ from program to program, and a winner should
+// carry over from rg.autotune's program to the captured one), and the
+// variables that change the candidates.
+std::string signature(const GemmProblem& p, const GemmOperands& o) {
+  const bool use_c = p.has_c && p.beta != 0.0;
+  uint32_t al = std::min({alignment(o.a), alignment(o.b), alignment(o.y), alignment(o.z), 16u});
+  if (use_c) al = std::min(al, alignment(o.c));
+  if (o.bias) al = std::min(al, alignment(o.bias));
+  char buf[320];
+  std::snprintf(buf, sizeof buf, "%s %c%c m=%lld n=%lld k=%lld batch=%lld act=%s bias=%s c=%d z=%d exact=%d align=%u",
+                kDTypeNames[int(p.dtype)].data(), p.trans_a ? 't' : 'n', p.trans_b ? 't' : 'n', (long long)p.m,
+                (long long)p.n, (long long)p.k, (long long)p.batch, kActNames[int(p.act)].data(),
+                kBiasKindNames[int(p.bias_kind)].data(), int(use_c), int(p.store_z), int(p.exact_f32), al);
+  std::string s = buf;
+  if (p.batch > 1) {
+    std::snprintf(buf, sizeof buf, " shared=%d%d%d%d", int(p.stride_a == 0), int(p.stride_b == 0),
+                  int(p.stride_bias == 0), int(p.stride_c == 0));
+    s += buf;
+  }
+  for (const char* var : {"REGEMM_BACKEND", "REGEMM_VARIANT", "REGEMM_CUTLASS", "REGEMM_CUTLASS_CONFIG",
+                          "REGEMM_CUTLASS_SPLIT", "REGEMM_CUTLASS_F32_BT", "REGEMM_CUTLASS_TMA_STRIDE0"})
+    if (const char* v = std::getenv(var); v && *v) s += std::string(" ") + var + "=" + v;
+  return s;
+}
+
+struct Candidate {
+  const GemmEntry* entry = nullptr;  // null: the registry's rule
+  int variant = -1;
+  std::string label = "rule";  // "entry/variant"
+};
+
+// Every way to run p, from every entry that offers ways (or only from the one
+// REGEMM_BACKEND names).
+std::vector<Candidate> candidates(const GemmProblem& p, const GemmOperands& o, CudaRuntime& rt) {
+  const char* forced = std::getenv("REGEMM_BACKEND");
+  const bool restrict = forced && *forced;
+  std::vector<Candidate> out;
+  std::vector<std::string> names;
+  for (const GemmEntry& e : GemmRegistry<CudaRuntime>::get().entries()) {
+    if (!e.variants || !e.run_variant || (restrict && e.name != forced)) continue;
+    names.clear();
+    e.variants(p, o, rt, &names);
+    for (int v = 0; v < int(names.size()); ++v)
+      if (!names[v].empty()) out.push_back({&e, v, std::string(e.name) + "/" + names[v]});
+  }
+  return out;
+}
+
+// ---------------------------------------------------------------------------
+// In-process winners, and the optional disk cache.
+// ---------------------------------------------------------------------------
+std::mutex g_mu;
+std::unordered_map<std::string, Candidate> g_winners;  // "<device> <signature>"
+int64_t g_timings = 0;
+
+struct DiskCache {
+  std::string path;  // the file loaded (REGEMM_TUNE_CACHE may change between calls)
+  std::map<std::string, std::string> entries;  // "<device name>|cublasLt <v>|<signature>" -> label
+};
+DiskCache g_disk;  // under g_mu
+
+// The file's "entries" object: one "key": "value" pair per line, as save() writes
+// it. Keys and values never hold quotes or backslashes (signatures and labels).
+std::map<std::string, std::string> parse_cache(const std::string& text) {
+  std::map<std::string, std::string> out;
+  const size_t start = text.find("\"entries\"");
+  if (start == std::string::npos) return out;
+  std::istringstream lines(text.substr(start));
+  std::string line;
+  std::getline(lines, line);  // "entries": {
+  while (std::getline(lines, line)) {
+    size_t q[4], at = 0;
+    bool ok = true;
+    for (size_t& x : q) {
+      x = line.find('"', at);
+      if (x == std::string::npos) { ok = false; break; }
+      at = x + 1;
+    }
+    if (!ok) break;  // the closing brace
+    out[line.substr(q[0] + 1, q[1] - q[0] - 1)] = line.substr(q[2] + 1, q[3] - q[2] - 1);
+  }
+  return out;
+}
+
+std::map<std::string, std::string> read_cache(const std::string& path) {
+  std::ifstream f(path);
+  if (!f) return {};
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return parse_cache(ss.str());
+}
+
+// Merges `more` into the file (re-read first: another process may have added
+// to it) and writes it whole to a temporary that replaces it, so that a
+// reader never sees half a file. Failures only cost the cache: a warning.
+void save_cache(const std::string& path, const std::map<std::string, std::string>& more) {
+  std::map<std::string, std::string> all = read_cache(path);
+  for (const auto& kv : more) all[kv.first] = kv.second;
+  const std::string tmp = path + ".tmp" + std::to_string(reinterpret_cast<uintptr_t>(&all));
+  {
+    std::ofstream f(tmp);
+    f << "{\n\"format\": \"jax_regemm tuning cache 1\",\n\"entries\": {\n";
+    size_t i = 0;
+    for (const auto& kv : all) f << "\"" << kv.first << "\": \"" << kv.second << "\"" << (++i < all.size() ? "," : "") << "\n";
+    f << "}\n}\n";
+    if (!f) {
+      std::fprintf(stderr, "regemm tune: could not write the tuning cache %s\n", tmp.c_str());
+      std::remove(tmp.c_str());
+      return;
+    }
+  }
+  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
+    std::fprintf(stderr, "regemm tune: could not replace the tuning cache %s\n", path.c_str());
+    std::remove(tmp.c_str());
+  }
+}
+
+// "<device name>|cublasLt <version>|": winners hold for one kind of GPU and one
+// cuBLASLt (whose heuristic's algorithm list the cuBLASLt labels index).
+std::string disk_prefix(int device) {
+  cudaDeviceProp prop;
+  std::string name = cudaGetDeviceProperties(&prop, device) == cudaSuccess ? prop.name : "unknown GPU";
+  return name + "|cublasLt " + std::to_string(cublasLtGetVersion()) + "|";
+}
+
+// ---------------------------------------------------------------------------
+// Timing.
+// ---------------------------------------------------------------------------
+__device__ __forceinline__ uint64_t global_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+// Holds the stream (one thread, sleeping) until *release == ticket (never,
+// for a null release), or max_ns at most: work queued behind it starts back
+// to back when it ends, however slowly the host queued it.
+__global__ void hold_stream(const volatile uint32_t* release, uint32_t ticket, uint64_t max_ns) {
+  const uint64_t t0 = global_ns();
+  while ((!release || *release != ticket) && global_ns() - t0 < max_ns) __nanosleep(500);
+}
+
+// The word hold_stream polls: pinned, mapped host memory (the same address
+// on the device: unified addressing), one per device, allocated once per
+// process and never freed; null where that failed (then the hold runs to its
+// limit).
+volatile uint32_t* release_word(int device) {
+  constexpr int kMaxDevices = 64;
+  static volatile uint32_t* words = nullptr;
+  static std::once_flag once;
+  std::call_once(once, [] {
+    void* p = nullptr;
+    if (cudaHostAlloc(&p, kMaxDevices * sizeof(uint32_t), cudaHostAllocMapped | cudaHostAllocPortable) != cudaSuccess) {
+      cudaGetLastError();
+      return;
+    }
+    words = static_cast<volatile uint32_t*>(p);
+    for (int i = 0; i < kMaxDevices; ++i) words[i] = 0;
+  });
+  return words && device >= 0 && device < kMaxDevices ? words + device : nullptr;
+}
+
+bool overlaps(const void* a, const void* b, int64_t bytes) {
+  if (!a || !b) return false;
+  auto x = reinterpret_cast<uintptr_t>(a), y = reinterpret_cast<uintptr_t>(b);
+  return x < y + bytes && y < x + bytes;
+}
+
+constexpr double kExtraOpUs = 4.0;  // host cost of one more launch (results/h100_host_cost.md: 3.8-4.1 us)
+constexpr uint64_t kMaxHoldNs = 50000000;  // a bound, should the release never come
+
+// The fastest candidate (device time + host charge), or the rule's when
+// none could be timed.
+Candidate time_candidates(const std::vector<Candidate>& cands, const GemmProblem& p, const GemmOperands& o,
+                          CudaRuntime& rt, int device, const std::string& sig) {
+  Candidate best;
+  cudaEvent_t ev[2];
+  if (cudaEventCreate(&ev[0]) != cudaSuccess) { cudaGetLastError(); return best; }
+  if (cudaEventCreate(&ev[1]) != cudaSuccess) { cudaGetLastError(); cudaEventDestroy(ev[0]); return best; }
+  // Enough work per candidate to see past launch noise (~1 ms, or 3 runs).
+  const double flops = 2.0 * double(p.m) * double(p.n) * double(p.k) * double(p.batch);
+  int reps = flops > 4e11 ? 3 : flops > 4e10 ? 5 : 10;
+  if (const char* r = std::getenv("REGEMM_TUNE_REPS"); r && std::atoi(r) > 0) reps = std::atoi(r);
+  volatile uint32_t* release = release_word(device);
+  static std::atomic<uint32_t> tickets{0};
+  const bool log = env_set("REGEMM_TUNE_LOG");
+  double best_us = 0;
+  for (const Candidate& c : cands) {
+    // Warm-up (and: can it run at all?), counting the device operations of a run.
+    rt.ops = 0;
+    if (c.entry->run_variant(p, o, rt, c.variant).failure()) {
+      cudaGetLastError();
+      if (log) std::fprintf(stderr, "regemm tune: %s: %s cannot run it\n", sig.c_str(), c.label.c_str());
+      continue;
+    }
+    const int ops = rt.ops;
+    const uint32_t ticket = ++tickets;
+    hold_stream<<<1, 1, 0, rt.stream>>>(release, ticket, release ? kMaxHoldNs : 1000000);
+    if (cudaGetLastError() != cudaSuccess) continue;
+    cudaEventRecord(ev[0], rt.stream);
+    bool ok = true;
+    for (int r = 0; r < reps && ok; ++r) ok = !c.entry->run_variant(p, o, rt, c.variant).failure();
+    cudaEventRecord(ev[1], rt.stream);
+    if (release) *release = ticket;
+    float ms = 0;
+    if (!ok || cudaEventSynchronize(ev[1]) != cudaSuccess || cudaEventElapsedTime(&ms, ev[0], ev[1]) != cudaSuccess) {
+      cudaGetLastError();
+      continue;
+    }
+    const int extra = ops > 1 ? ops - 1 : 0;
+    const double us = 1e3 * double(ms) / reps + extra * kExtraOpUs;
+    if (log)
+      std::fprintf(stderr, "regemm tune: %s: %s %.2f us (device %.2f + %.0f us x %d extra ops)\n", sig.c_str(),
+                   c.label.c_str(), us, 1e3 * double(ms) / reps, kExtraOpUs, extra);
+    if (!best.entry || us < best_us) { best = c; best_us = us; }
+  }
+  cudaEventDestroy(ev[0]);
+  cudaEventDestroy(ev[1]);
+  if (log) std::fprintf(stderr, "regemm tune: %s: chose %s\n", sig.c_str(), best.label.c_str());
+  return best;
+}
+
+// A remembered way that fails now (it should not: the signature fixes what
+// applies) gives way to the rule, which reports any error of its own.
+ffi::Error run_candidate(const Candidate& c, const GemmEntry& rule, const GemmProblem& p, const GemmOperands& o,
+                         CudaRuntime& rt) {
+  if (!c.entry) return rule.run(p, o, rt);
+  ffi::Error e = c.entry->run_variant(p, o, rt, c.variant);
+  if (!e.failure()) return e;
+  cudaGetLastError();
+  std::fprintf(stderr, "regemm tune: %s failed here (%s); the rule runs instead\n", c.label.c_str(),
+               std::string(e.message()).c_str());
+  return rule.run(p, o, rt);
+}
+
+}  // namespace
+
+ffi::Error CudaRuntime::run(const GemmEntry& rule, const GemmProblem& p, const GemmOperands& o) {
+  if (env_off("REGEMM_TUNE")) return rule.run(p, o, *this);
+  int device = 0;
+  REGEMM_CUDA_CHECK(cudaGetDevice(&device));
+  const std::string sig = signature(p, o);
+  const std::string key = std::to_string(device) + " " + sig;
+  {
+    std::lock_guard<std::mutex> lock(g_mu);
+    if (auto it = g_winners.find(key); it != g_winners.end()) return run_candidate(it->second, rule, p, o, *this);
+  }
+  std::vector<Candidate> cands = candidates(p, o, *this);
+  Candidate chosen;
+  if (cands.size() == 1) chosen = cands[0];
+  if (const char* forced = std::getenv("REGEMM_VARIANT"); forced && *forced)
+    for (const Candidate& c : cands)
+      if (c.label == forced) chosen = c;
+  // The disk cache, loaded on first need (and again when the variable names another file).
+  const char* path = std::getenv("REGEMM_TUNE_CACHE");
+  const std::string disk_key = path && *path ? disk_prefix(device) + sig : "";
+  if (cands.size() > 1 && !chosen.entry && !disk_key.empty()) {
+    std::lock_guard<std::mutex> lock(g_mu);
+    if (g_disk.path != path) g_disk = {path, read_cache(path)};
+    if (auto it = g_disk.entries.find(disk_key); it != g_disk.entries.end())
+      for (const Candidate& c : cands)
+        if (c.label == it->second) chosen = c;
+  }
+  if (cands.size() > 1 && !chosen.entry) {
+    const int64_t y_bytes = p.m * p.n * p.batch * dtype_size(p.dtype);
+    const bool c_aliases = p.has_c && (overlaps(o.c, o.y, y_bytes) || overlaps(o.c, o.z, y_bytes));
+    if (capturing || c_aliases) return rule.run(p, o, *this);  // untimed, and not remembered
+    chosen = time_candidates(cands, p, o, *this, device, sig);
+    std::lock_guard<std::mutex> lock(g_mu);
+    ++g_timings;
+    if (chosen.entry && !disk_key.empty()) {
+      g_disk.entries[disk_key] = chosen.label;
+      save_cache(path, {{disk_key, chosen.label}});
+    }
+  }
+  {
+    std::lock_guard<std::mutex> lock(g_mu);
+    g_winners.emplace(key, chosen);
+  }
+  return run_candidate(chosen, rule, p, o, *this);
+}
+
+namespace tuner {
+
+std::vector<std::pair<std::string, std::string>> winners() {
+  std::lock_guard<std::mutex> lock(g_mu);
+  std::vector<std::pair<std::string, std::string>> out;
+  for (const auto& kv : g_winners) out.emplace_back(kv.first, kv.second.label);
+  return out;
+}
+
+int64_t timings() {
+  std::lock_guard<std::mutex> lock(g_mu);
+  return g_timings;
+}
+
+void forget() {
+  std::lock_guard<std::mutex> lock(g_mu);
+  g_winners.clear();
+  g_disk = {};
+}
+
+}  // namespace tuner
+}  // namespace regemm

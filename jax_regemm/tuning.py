@@ -1,0 +1,39 @@
+"""The GPU's GEMM tuner from Python (ffi/cuda/tuner.cu says how it chooses).
+
+On first sight of a GEMM (shape, dtype, layouts, activation, bias, ...) the
+CUDA handler times every way the registered kernels offer to run it and keeps
+the fastest, in the process and, with REGEMM_TUNE_CACHE=<file>, on disk. It
+never times while XLA captures calls into a CUDA graph, and XLA captures a
+program of 5 or more commands (a training step, an MLP) from its first run:
+such a program runs the registry's rule unless its GEMMs were tuned before.
+`autotune` is that "before".
+"""
+
+from __future__ import annotations
+
+import jax
+
+from . import _ffi
+
+# Larger than any program: XLA forms no CUDA graph (command buffer), so every
+# regemm call runs, and is timed, as a plain call.
+_NO_GRAPHS = {"xla_gpu_graph_min_graph_size": 1 << 30}
+
+
+def autotune(fn, *args, **kwargs):
+    """Runs fn(*args, **kwargs) once with CUDA graphs off, so that the GPU tuner
+    times every jax_regemm GEMM it contains; returns its result.
+
+    Call it once before a jitted program that XLA captures into CUDA graphs (a
+    training step): the captured program then runs the tuned kernels. On the
+    CPU it only runs fn. Each GEMM signature is timed once per process (or
+    once per REGEMM_TUNE_CACHE file).
+    """
+    compiled = jax.jit(fn, compiler_options=_NO_GRAPHS if jax.default_backend() == "gpu" else None)
+    return jax.block_until_ready(compiled(*args, **kwargs))
+
+
+def tuned() -> dict:
+    """{GEMM signature: "entry/variant"} the GPU tuner has chosen in this
+    process ("rule" where there was nothing to time); empty without CUDA."""
+    return dict(_ffi._regemm_cuda.tuned()) if _ffi._regemm_cuda is not None else {}

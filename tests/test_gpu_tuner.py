@@ -1,0 +1,212 @@
+"""The GPU's GEMM tuner (ffi/cuda/tuner.cu) and the ways it chooses among.
+
+- Every way (cuBLASLt with its own epilogue or ours as a pass, several of its
+  algorithms; the CUTLASS choices; the SIMT kernel) computes the op: each is
+  forced with REGEMM_VARIANT and checked against the float64 reference.
+- A signature is timed once; REGEMM_TUNE=0 times nothing; winners go to and
+  come back from the REGEMM_TUNE_CACHE file; a damaged file costs nothing but
+  a new timing.
+- Under CUDA-graph capture nothing is timed; rg.autotune times a program's
+  GEMMs beforehand, and the captured program then finds them.
+Skipped without a GPU and the CUDA module.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import jax_regemm as rg
+from jax_regemm import reference as ref
+
+
+def _gpus():
+    try:
+        return jax.devices("gpu")
+    except RuntimeError:
+        return []
+
+
+if not _gpus() or rg._ffi._regemm_cuda is None:
+    pytest.skip("no GPU or no CUDA module: the tuner tests need both", allow_module_level=True)
+
+pytestmark = pytest.mark.gpu
+cuda = rg._ffi._regemm_cuda
+HOPPER = any(h in _gpus()[0].device_kind for h in ("H100", "H200", "H800", "GH200"))
+CUTLASS = HOPPER and "cutlass_sm90" in rg.kernels()["cuda"]["gemm"]
+TOL = {"bfloat16": 2e-2, "float16": 5e-3, "float32": 5e-3, "float32_exact": 1e-5}
+
+
+def _rel(out, want):
+    out, want = np.asarray(out, np.float64), np.asarray(want, np.float64)
+    assert out.shape == want.shape and np.all(np.isfinite(out))
+    return float(np.linalg.norm(out - want) / max(np.linalg.norm(want), 1e-300))
+
+
+def _problem(seed, dtype, m, n, k, *, act, kind, with_c, trans_a=False, trans_b=False):
+    keys = jax.random.split(jax.random.key(seed), 4)
+    nrm = lambda key, shape, s=1.0: (s * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+    a = nrm(keys[0], (k, m) if trans_a else (m, k))
+    b = nrm(keys[1], (n, k) if trans_b else (k, n), 1.0 / np.sqrt(k))
+    bias = {"none": None, "scalar": nrm(keys[2], ()), "per_row": nrm(keys[2], (m,)), "per_col": nrm(keys[2], (n,))}[kind]
+    c = nrm(keys[3], (m, n)) if with_c else None
+    kw = dict(act=act, alpha=0.75, beta=-0.5 if with_c else 0.0, trans_a=trans_a, trans_b=trans_b)
+    return (a, b, bias, c), kw
+
+
+def _reference(args, kw, kind):
+    a, b, bias, c = (None if x is None else jnp.asarray(x, jnp.float32) for x in args)
+    return ref.gemm_bias_act(a, b, bias, c=c, bias_kind=kind if bias is not None else "per_col",
+                             precision=lax.Precision.HIGHEST, return_z=True, **kw)  # fmt: skip
+
+
+def _forward(args, kw, kind, store_z, precision=None):
+    a, b, bias, c = args
+    bk = None if kind == "none" else kind
+    if store_z:
+        f = jax.jit(lambda a, b, bias, c: rg.gemm_bias_act_fwd(a, b, bias, c=c, bias_kind=bk, precision=precision, **kw))
+        return f(a, b, bias, c)
+    f = jax.jit(lambda a, b, bias, c: rg.gemm_bias_act(a, b, bias, c=c, bias_kind=bk, precision=precision, **kw))
+    return f(a, b, bias, c), None
+
+
+# (dtype, exact f32, M, N, K, act, bias kind, C, Z, trans_a, trans_b, the ways that must exist)
+_CUTLASS_WAYS = ["cutlass_sm90/coop128x256", "cutlass_sm90/ping128x128+pass", "cutlass_sm90/streamk128x128"]
+CASES = [
+    # cuBLASLt's GELU_AUX_BIAS with C through beta; CUTLASS fused and split; SIMT
+    ("bfloat16", False, 264, 392, 136, "gelu", "per_col", True, True, False, False,
+     ["cublas/lt#0", "cublas/lt+pass#0", "cuda_simt/simt"] + (_CUTLASS_WAYS if CUTLASS else [])),
+    ("bfloat16", False, 200, 136, 72, "relu", "per_col", False, False, False, True, ["cublas/lt#0", "cublas/lt+pass#0"]),
+    ("float16", False, 129, 264, 40, "none", "per_col", False, False, True, False, ["cublas/lt#0", "cublas/lt+pass#0"]),
+    ("float32", False, 136, 200, 96, "gelu", "none", False, True, True, True, ["cublas/lt#0", "cublas/lt+pass#0"]),
+    ("bfloat16", False, 96, 104, 64, "sigmoid", "scalar", True, True, False, False, ["cublas/lt+pass#0"]),
+    ("bfloat16", False, 64, 72, 40, "silu", "per_row", False, False, True, True, ["cublas/lt+pass#0"]),
+    ("float32", True, 65, 72, 33, "relu", "per_col", True, False, False, False, ["cublas/lt#0", "cuda_simt/simt"]),
+    ("bfloat16", False, 136, 264, 72, "none", "none", False, False, True, False,
+     ["cublas/lt#0"] + (["cutlass_sm90/streamk128x128"] if CUTLASS else [])),
+]
+WAYS = [(case, way) for case in CASES for way in case[-1] + ["cublas/lt#1", "cublas/lt+pass#1"]]
+
+
+@pytest.mark.parametrize("case,way", WAYS, ids=[f"{c[0]}-{c[5]}-{c[6]}-{w}" for c, w in WAYS])
+def test_every_way_computes_the_op(case, way, monkeypatch):
+    dtype, exact, m, n, k, act, kind, with_c, store_z, ta, tb, must = case
+    monkeypatch.setenv("REGEMM_VARIANT", way)
+    cuda.forget_tuned()
+    args, kw = _problem(CASES.index(case), dtype, m, n, k, act=act, kind=kind, with_c=with_c,
+                        trans_a=ta, trans_b=tb)  # fmt: skip
+    y, z = _forward(args, kw, kind, store_z, precision="highest" if exact else None)
+    ran = set(rg.tuned().values())
+    if way in must:
+        assert ran == {way}, ran
+    y_ref, z_ref = _reference(args, kw, kind)
+    tol = TOL["float32_exact" if exact else dtype]
+    assert _rel(y, y_ref) < tol, (way, ran, _rel(y, y_ref))
+    if store_z:
+        assert _rel(z, z_ref) < tol, (way, ran, _rel(z, z_ref))
+
+
+def _gelu_layer(seed=0, m=192, n=256, k=128):
+    args, kw = _problem(seed, "bfloat16", m, n, k, act="gelu", kind="per_col", with_c=False)
+    return args[:3], jax.jit(lambda a, b, bias: rg.gemm_bias_act(a, b, bias, act="gelu"))
+
+
+def test_times_a_signature_once():
+    cuda.forget_tuned()
+    (a, b, bias), f = _gelu_layer()
+    n0 = cuda.tuning_count()
+    y = f(a, b, bias)
+    assert cuda.tuning_count() == n0 + 1
+    (label,) = rg.tuned().values()
+    assert "/" in label, label  # entry/variant: something was timed and won
+    (a2, b2, bias2), _ = _gelu_layer(seed=1)  # same signature, other values
+    y2 = f(a2, b2, bias2)
+    assert cuda.tuning_count() == n0 + 1
+    kw = dict(act="gelu", alpha=1.0, beta=0.0, trans_a=False, trans_b=False)
+    for out, args in ((y, (a, b, bias, None)), (y2, (a2, b2, bias2, None))):
+        assert _rel(out, _reference(args, kw, "per_col")[0]) < TOL["bfloat16"]
+
+
+def test_tuning_off(monkeypatch):
+    monkeypatch.setenv("REGEMM_TUNE", "0")
+    cuda.forget_tuned()
+    (a, b, bias), f = _gelu_layer(m=200)
+    n0 = cuda.tuning_count()
+    f(a, b, bias).block_until_ready()
+    assert cuda.tuning_count() == n0 and rg.tuned() == {}
+
+
+def test_disk_cache(tmp_path, monkeypatch):
+    path = tmp_path / "tune.json"
+    monkeypatch.setenv("REGEMM_TUNE_CACHE", str(path))
+    cuda.forget_tuned()
+    (a, b, bias), f = _gelu_layer(m=208)
+    n0 = cuda.tuning_count()
+    y = f(a, b, bias)
+    assert cuda.tuning_count() == n0 + 1
+    (label,) = rg.tuned().values()
+    saved = json.loads(path.read_text())["entries"]
+    assert list(saved.values()) == [label], saved
+    cuda.forget_tuned()  # a new process, as far as the tuner knows: the winner comes from the file
+    y2 = jax.jit(lambda a, b, bias: rg.gemm_bias_act(a, b, bias, act="gelu"))(a, b, bias)
+    assert cuda.tuning_count() == n0 + 1 and list(rg.tuned().values()) == [label]
+    assert _rel(y2, y) < 1e-6  # the same way, the same bits (up to nothing)
+    path.write_text('{"entries": {\n"garbage')  # a damaged file: timed again, and rewritten whole
+    cuda.forget_tuned()
+    f(a, b, bias).block_until_ready()
+    assert cuda.tuning_count() == n0 + 2
+    assert list(json.loads(path.read_text())["entries"].values()) == list(rg.tuned().values())
+
+
+_CAPTURE_SCRIPT = textwrap.dedent(
+    r"""
+    import json, sys
+    import jax, jax.numpy as jnp
+    import jax_regemm as rg
+    cuda = rg._ffi._regemm_cuda
+    ks = jax.random.split(jax.random.key(0), 4)
+    x = jax.random.normal(ks[0], (256, 128), jnp.bfloat16)
+    w1 = (jax.random.normal(ks[1], (128, 256)) / 12).astype(jnp.bfloat16)
+    w2 = (jax.random.normal(ks[2], (256, 64)) / 16).astype(jnp.bfloat16)
+    b = jnp.ones((256,), jnp.bfloat16)
+
+    def loss(w1, w2):
+        h = rg.dense(x, w1, b, act="gelu")
+        return jnp.mean(rg.dense(h, w2, act="relu").astype(jnp.float32) ** 2)
+
+    g = jax.grad(loss, argnums=(0, 1))
+    jax.block_until_ready(jax.jit(g)(w1, w2))  # captured from its first run: nothing timed
+    out = {"captured_calls": cuda.captured_calls(), "timed_captured": cuda.tuning_count()}
+    rg.autotune(g, w1, w2)  # the same program with graphs off: its GEMMs are timed
+    out["timed_autotune"] = cuda.tuning_count()
+    out["winners"] = sorted(set(rg.tuned().values()))
+    jax.block_until_ready(jax.jit(lambda a, b: g(a, b))(w1, w2))  # captured again: finds them
+    out["timed_after"] = cuda.tuning_count()
+    print(json.dumps(out))
+    """
+)
+
+
+def test_capture_times_nothing_and_autotune_does(tmp_path):
+    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_gpu_graph_min_graph_size=1").strip()
+    env.pop("REGEMM_TUNE", None)
+    env.pop("REGEMM_TUNE_CACHE", None)
+    script = tmp_path / "capture.py"
+    script.write_text(_CAPTURE_SCRIPT)
+    p = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-4000:]
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert out["captured_calls"] > 0, out
+    assert out["timed_captured"] == 0, out
+    assert out["timed_autotune"] > 0 and out["winners"] and "rule" not in out["winners"], out
+    assert out["timed_after"] == out["timed_autotune"], out
