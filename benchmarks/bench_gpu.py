@@ -117,9 +117,9 @@ def run_shape(kind, m, k, n, depth, dtype_name, acts, modes, repeats, n_sets):
                     fn = named_jit(lambda x, w, b, gy, g=g, p=precision: g(x, w, b, gy, p), name)
                     cases[name] = (fn, sets)
                 meta[name] = (act, impl, mode, f)
-    # The GPU tuner never times under CUDA-graph capture, and XLA captures
-    # the larger programs (MLPs; every program with --graph-min-size 1) from
-    # their first run: time their GEMMs first, as a user would (rg.autotune).
+    # Every regemm GEMM timed by the tuner before the warm-up (rg.autotune, as
+    # the README tells users of captured programs), whatever XLA does on a
+    # captured program's first run.
     for name, (fn, arg_sets) in cases.items():
         if "_regemm_" in name:
             rg.autotune(fn, *arg_sets[0])

@@ -3,10 +3,12 @@
 On first sight of a GEMM (shape, dtype, layouts, activation, bias, ...) the
 CUDA handler times every way the registered kernels offer to run it and keeps
 the fastest, in the process and, with REGEMM_TUNE_CACHE=<file>, on disk. It
-never times while XLA captures calls into a CUDA graph, and XLA captures a
-program of 5 or more commands (a training step, an MLP) from its first run:
-such a program runs the registry's rule unless its GEMMs were tuned before.
-`autotune` is that "before".
+never times while XLA captures calls into a CUDA graph. XLA (jax 0.11.2)
+runs a program it captures (5 or more commands: a training step, an MLP) op
+by op the first time, so the tuner sees its GEMMs there, during the first
+step; a GEMM first seen under capture runs the registry's rule for the life
+of that graph. `autotune` tunes a program's GEMMs explicitly beforehand (and
+keeps the timing out of the first step).
 """
 
 from __future__ import annotations
@@ -25,9 +27,9 @@ def autotune(fn, *args, **kwargs):
     times every jax_regemm GEMM it contains; returns its result.
 
     Call it once before a jitted program that XLA captures into CUDA graphs (a
-    training step): the captured program then runs the tuned kernels. On the
-    CPU it only runs fn. Each GEMM signature is timed once per process (or
-    once per REGEMM_TUNE_CACHE file).
+    training step): its GEMMs are then timed before its first step, whatever
+    XLA does on that step. On the CPU it only runs fn. Each GEMM signature is
+    timed once per process (or once per REGEMM_TUNE_CACHE file).
     """
     compiled = jax.jit(fn, compiler_options=_NO_GRAPHS if jax.default_backend() == "gpu" else None)
     return jax.block_until_ready(compiled(*args, **kwargs))

@@ -43,8 +43,8 @@ fi
 SAN="$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer \
   /usr/local/cuda*/compute-sanitizer/compute-sanitizer /opt/nvidia/*/compute-sanitizer/compute-sanitizer \
   2>/dev/null | head -1)"
-TOOLS="memcheck racecheck initcheck"
-MODES="plain graphs"
+TOOLS="${GPU_CHECK_TOOLS:-memcheck racecheck initcheck}"
+MODES="${GPU_CHECK_MODES:-plain graphs}"
 san_pids=""
 PARTS="${GPU_CHECK_PARTS:-all}"
 if [ $build_rc -eq 0 ] && [ -n "$SAN" ] && [ "$PARTS" != tests ]; then
