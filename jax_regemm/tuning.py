@@ -30,8 +30,14 @@ def autotune(fn, *args, **kwargs):
     training step): its GEMMs are then timed before its first step, whatever
     XLA does on that step. On the CPU it only runs fn. Each GEMM signature is
     timed once per process (or once per REGEMM_TUNE_CACHE file).
+
+    fn: a function, or a jax.jit of one (its compiler options are kept; one
+    with static arguments: pass a function that closes over them instead).
     """
-    compiled = jax.jit(fn, compiler_options=_NO_GRAPHS if jax.default_backend() == "gpu" else None)
+    if hasattr(fn, "lower"):  # already jitted: nesting it in another jit would drop (or clash with) its options
+        compiled = fn.lower(*args, **kwargs).compile(compiler_options=_NO_GRAPHS)
+    else:
+        compiled = jax.jit(fn).lower(*args, **kwargs).compile(compiler_options=_NO_GRAPHS)
     return jax.block_until_ready(compiled(*args, **kwargs))
 
 

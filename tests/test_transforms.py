@@ -394,3 +394,23 @@ def test_sharding_data_parallel(rand, tmp_path):
     out = json.loads(proc.stdout.split("RESULT")[-1])
     assert out["jit"] < 1e-5 and out["shard_map"] < 1e-5 and out["grad"] < 1e-5, out
     assert "data" in out["shard_map_sharding"]
+
+
+# ---------------------------------------------------------------------------
+# rg.autotune: runs a program once with CUDA graphs off (the tuner's timing run)
+# ---------------------------------------------------------------------------
+
+
+def test_autotune_runs_the_program(x64, rand):
+    """A function, a jit of one with compiler options of its own (it would not
+    nest in another jit that sets some), and a gradient: each result is the
+    program's own."""
+    a, b, bias, _ = rand.operands(M, N, K, DT, bias_shape=(N,))
+    f = lambda a, b, bias: rg.gemm_bias_act(a, b, bias, act="gelu")
+    jitted = jax.jit(f, compiler_options={"xla_gpu_graph_min_graph_size": 1})
+    g = jax.grad(lambda b: jnp.sum(f(a, b, bias)))
+    want = jax.jit(f)(a, b, bias)
+    np.testing.assert_array_equal(f64(rg.autotune(f, a, b, bias)), f64(want))
+    np.testing.assert_array_equal(f64(rg.autotune(jitted, a, b, bias)), f64(want))
+    np.testing.assert_array_equal(f64(rg.autotune(g, b)), f64(jax.jit(g)(b)))
+    assert isinstance(rg.tuned(), dict)

@@ -9,13 +9,15 @@
 // that signature run the winner for the cost of building the signature and
 // one map lookup (well under a microsecond of host time).
 //
-// Timing: the device time of `reps` back-to-back runs, queued behind a kernel
-// that holds the stream until the host has queued them all (it polls a word
-// of pinned host memory the host sets then; events around the runs), plus
-// kExtraOpUs for each device operation beyond the first (a memset, a second
-// kernel): an uncaptured call costs the host about that much per launch, more
-// than a small problem's kernel takes (results/h100_host_cost.md). The winner
-// runs once more at the end, so the call's outputs are its.
+// Timing: the median device time of `reps` runs, each after a read of a
+// buffer twice the L2 cache (cold inputs, as in a program), all queued behind
+// a kernel that holds the stream until the host has queued them (it polls a
+// word of pinned host memory the host sets then; events around each run),
+// plus kExtraOpUs for each device operation beyond the first (a memset, a
+// second kernel): an uncaptured call costs the host about that much per
+// launch, more than a small problem's kernel takes
+// (results/h100_host_cost.md). The winner runs once more at the end, so the
+// call's outputs are its.
 //
 // No timing (the registry's rule runs, and nothing is remembered) when
 // REGEMM_TUNE=0, when the stream is being captured into a CUDA graph (nothing
@@ -238,18 +240,67 @@ bool overlaps(const void* a, const void* b, int64_t bytes) {
 constexpr double kExtraOpUs = 4.0;  // host cost of one more launch (results/h100_host_cost.md: 3.8-4.1 us)
 constexpr uint64_t kMaxHoldNs = 50000000;  // a bound, should the release never come
 
-// The fastest candidate (device time + host charge), or the rule's when
-// none could be timed.
+// Reads a buffer (twice the L2 cache) through, so that the run after it
+// starts from a cold cache. The sink is written only if the XOR of the
+// zeroed buffer is not 0 (never): it keeps the loads.
+__global__ void read_through(const uint4* __restrict__ buf, size_t n, uint32_t* sink) {
+  uint32_t x = 0;
+  for (size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
+    const uint4 v = buf[i];
+    x ^= v.x ^ v.y ^ v.z ^ v.w;
+  }
+  if (x != 0) *sink = x;
+}
+
+// The buffer read_through reads, for one tuning (freed by its destructor:
+// the tuning has synchronised by then); empty where it could not be had
+// (then the runs are timed as they come: cache-hot).
+struct ColdCache {
+  uint4* buf = nullptr;
+  size_t n = 0;
+  explicit ColdCache(int device) {
+    int l2 = 0;
+    if (cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, device) != cudaSuccess || l2 <= 0) l2 = 64 << 20;
+    const size_t bytes = 2 * size_t(l2);
+    if (cudaMalloc(&buf, bytes) != cudaSuccess || cudaMemset(buf, 0, bytes) != cudaSuccess) {
+      cudaGetLastError();
+      if (buf) cudaFree(buf);
+      buf = nullptr;
+      return;
+    }
+    n = bytes / sizeof(uint4);
+  }
+  ~ColdCache() {
+    if (buf) cudaFree(buf);
+  }
+  void flush(cudaStream_t s) const {
+    if (buf) read_through<<<1024, 256, 0, s>>>(buf, n, reinterpret_cast<uint32_t*>(buf));
+  }
+};
+
+// The fastest candidate, or the rule's when none could be timed. A
+// candidate's time: the median of `reps` runs, each timed alone (events
+// around it) right after the L2 cache was flushed, plus the host charge.
+// Timed with the inputs left in L2 by the run before, cuBLASLt's picks
+// looked up to 2.5x faster than they run in a program (65536x256x256 and
+// 8192x1024x4096 bf16 forwards, benchmarks/NOTES.md): a program's inputs
+// come from other work and mostly from DRAM.
 Candidate time_candidates(const std::vector<Candidate>& cands, const GemmProblem& p, const GemmOperands& o,
                           CudaRuntime& rt, int device, const std::string& sig) {
   Candidate best;
-  cudaEvent_t ev[2];
-  if (cudaEventCreate(&ev[0]) != cudaSuccess) { cudaGetLastError(); return best; }
-  if (cudaEventCreate(&ev[1]) != cudaSuccess) { cudaGetLastError(); cudaEventDestroy(ev[0]); return best; }
-  // Enough work per candidate to see past launch noise (~1 ms, or 3 runs).
+  // Enough runs per candidate to see past launch noise (3 to 10).
   const double flops = 2.0 * double(p.m) * double(p.n) * double(p.k) * double(p.batch);
   int reps = flops > 4e11 ? 3 : flops > 4e10 ? 5 : 10;
-  if (const char* r = std::getenv("REGEMM_TUNE_REPS"); r && std::atoi(r) > 0) reps = std::atoi(r);
+  if (const char* r = std::getenv("REGEMM_TUNE_REPS"); r && std::atoi(r) > 0) reps = std::min(std::atoi(r), 32);
+  std::vector<cudaEvent_t> ev(2 * size_t(reps), nullptr);
+  for (cudaEvent_t& e : ev)
+    if (cudaEventCreate(&e) != cudaSuccess) {
+      cudaGetLastError();
+      for (cudaEvent_t& f : ev)
+        if (f) cudaEventDestroy(f);
+      return best;
+    }
+  const ColdCache cold(device);
   volatile uint32_t* release = release_word(device);
   static std::atomic<uint32_t> tickets{0};
   const bool log = env_set("REGEMM_TUNE_LOG");
@@ -266,25 +317,31 @@ Candidate time_candidates(const std::vector<Candidate>& cands, const GemmProblem
     const uint32_t ticket = ++tickets;
     hold_stream<<<1, 1, 0, rt.stream>>>(release, ticket, release ? kMaxHoldNs : 1000000);
     if (cudaGetLastError() != cudaSuccess) continue;
-    cudaEventRecord(ev[0], rt.stream);
     bool ok = true;
-    for (int r = 0; r < reps && ok; ++r) ok = !c.entry->run_variant(p, o, rt, c.variant).failure();
-    cudaEventRecord(ev[1], rt.stream);
+    for (int r = 0; r < reps && ok; ++r) {
+      cold.flush(rt.stream);
+      cudaEventRecord(ev[2 * r], rt.stream);
+      ok = !c.entry->run_variant(p, o, rt, c.variant).failure();
+      cudaEventRecord(ev[2 * r + 1], rt.stream);
+    }
     if (release) *release = ticket;
-    float ms = 0;
-    if (!ok || cudaEventSynchronize(ev[1]) != cudaSuccess || cudaEventElapsedTime(&ms, ev[0], ev[1]) != cudaSuccess) {
+    std::vector<float> ms(reps, 0.0f);
+    ok = ok && cudaGetLastError() == cudaSuccess && cudaEventSynchronize(ev.back()) == cudaSuccess;
+    for (int r = 0; r < reps && ok; ++r) ok = cudaEventElapsedTime(&ms[r], ev[2 * r], ev[2 * r + 1]) == cudaSuccess;
+    if (!ok) {
       cudaGetLastError();
       continue;
     }
+    std::sort(ms.begin(), ms.end());
+    const double device_us = 1e3 * double(ms[reps / 2]);
     const int extra = ops > 1 ? ops - 1 : 0;
-    const double us = 1e3 * double(ms) / reps + extra * kExtraOpUs;
+    const double us = device_us + extra * kExtraOpUs;
     if (log)
-      std::fprintf(stderr, "regemm tune: %s: %s %.2f us (device %.2f + %.0f us x %d extra ops)\n", sig.c_str(),
-                   c.label.c_str(), us, 1e3 * double(ms) / reps, kExtraOpUs, extra);
+      std::fprintf(stderr, "regemm tune: %s: %s %.2f us (device %.2f%s + %.0f us x %d extra ops)\n", sig.c_str(),
+                   c.label.c_str(), us, device_us, cold.buf ? ", cold L2" : "", kExtraOpUs, extra);
     if (!best.entry || us < best_us) { best = c; best_us = us; }
   }
-  cudaEventDestroy(ev[0]);
-  cudaEventDestroy(ev[1]);
+  for (cudaEvent_t& e : ev) cudaEventDestroy(e);
   if (log) std::fprintf(stderr, "regemm tune: %s: chose %s\n", sig.c_str(), best.label.c_str());
   return best;
 }
