@@ -26,9 +26,9 @@
 //
 // Environment: REGEMM_TUNE=0 turns it off; REGEMM_TUNE_LOG=1 prints every
 // candidate's time; REGEMM_TUNE_REPS=<n> timed runs per candidate (default 3
-// to 10, fewer for larger problems); REGEMM_TUNE_CACHE=<file> keeps winners across processes
-// (JSON, per device name and cuBLASLt version; written atomically, merged
-// with what other processes wrote); REGEMM_BACKEND=<entry> restricts the
+// to 10, fewer for larger problems); REGEMM_TUNE_CACHE=<file> keeps winners
+// across processes (JSON, per device name and cuBLASLt version; written
+// atomically, merged with what other processes wrote); REGEMM_BACKEND=<entry> restricts the
 // candidates to that entry's ways; REGEMM_VARIANT=<entry/variant> (a label
 // as REGEMM_TUNE_LOG prints it) runs that way wherever the problem has it,
 // untimed. The signature includes the variables that change the candidate
