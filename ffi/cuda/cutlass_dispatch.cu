@@ -7,15 +7,11 @@
 #include <cstring>
 #include <mutex>
 
+#include "../regemm/env.h"
 #include "pack.h"
 
 namespace regemm::cutlass_sm90 {
 namespace {
-
-bool env_off(const char* name) {
-  const char* v = std::getenv(name);
-  return v && (std::strcmp(v, "0") == 0 || std::strcmp(v, "off") == 0 || std::strcmp(v, "false") == 0);
-}
 
 int64_t dtype_bytes(DType t) { return t == DType::kF32 ? 4 : 2; }
 
@@ -88,7 +84,7 @@ namespace {
 Status launch(RunFn fn, const GemmProblem& p, const GemmOperands& o, const Launch& l) {
   const bool use_c = p.has_c && p.beta != 0.0;
   const bool zero_stride = p.batch > 1 && (p.stride_a == 0 || p.stride_b == 0 || (use_c && p.stride_c == 0));
-  const bool stride0_ok = std::getenv("REGEMM_CUTLASS_TMA_STRIDE0") && !env_off("REGEMM_CUTLASS_TMA_STRIDE0");
+  const bool stride0_ok = env_on("REGEMM_CUTLASS_TMA_STRIDE0");
   if (!zero_stride || stride0_ok) return fn(p, o, l);
   GemmProblem q = p;
   q.batch = 1;

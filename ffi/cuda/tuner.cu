@@ -42,13 +42,13 @@
 #include <atomic>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
 #include <fstream>
 #include <map>
 #include <mutex>
 #include <sstream>
 #include <unordered_map>
 
+#include "../regemm/env.h"
 #include "../regemm/handlers.h"
 #include "pack.h"
 #include "runtime.h"
@@ -57,15 +57,6 @@ namespace regemm {
 namespace {
 
 using GemmEntry = Kernel<GemmProblem, GemmOperands, CudaRuntime>;
-
-bool env_set(const char* name) {
-  const char* v = std::getenv(name);
-  return v && *v && std::strcmp(v, "0") != 0 && std::strcmp(v, "off") != 0 && std::strcmp(v, "false") != 0;
-}
-bool env_off(const char* name) {
-  const char* v = std::getenv(name);
-  return v && (std::strcmp(v, "0") == 0 || std::strcmp(v, "off") == 0 || std::strcmp(v, "false") == 0);
-}
 
 // Everything a winner may depend on: the problem, whether the batch shares
 // operands (a loop of GEMMs or one batched call), the buffers' alignment up to
@@ -303,7 +294,7 @@ Candidate time_candidates(const std::vector<Candidate>& cands, const GemmProblem
   const ColdCache cold(device);
   volatile uint32_t* release = release_word(device);
   static std::atomic<uint32_t> tickets{0};
-  const bool log = env_set("REGEMM_TUNE_LOG");
+  const bool log = env_on("REGEMM_TUNE_LOG");
   double best_us = 0;
   for (const Candidate& c : cands) {
     // Warm-up (and: can it run at all?), counting the device operations of a run.
