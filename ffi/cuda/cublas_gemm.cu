@@ -230,6 +230,10 @@ bool lt_epilogue(const GemmProblem& p, const GemmOperands& o, cublasLtEpilogue_t
 }
 
 bool has_aux(cublasLtEpilogue_t e) { return e == CUBLASLT_EPILOGUE_GELU_AUX || e == CUBLASLT_EPILOGUE_GELU_AUX_BIAS; }
+bool has_bias(cublasLtEpilogue_t e) {
+  return e == CUBLASLT_EPILOGUE_BIAS || e == CUBLASLT_EPILOGUE_RELU_BIAS || e == CUBLASLT_EPILOGUE_GELU_BIAS ||
+         e == CUBLASLT_EPILOGUE_GELU_AUX_BIAS;
+}
 
 ffi::Error set_batch(cublasLtMatrixLayout_t l, int64_t batch, int64_t stride) {
   if (batch == 1) return ffi::Error::Success();
@@ -365,9 +369,7 @@ ffi::Error pass_after(const GemmProblem& p, const GemmOperands& o, CudaRuntime& 
 }
 
 // One cuBLASLt matmul of `way` with the heuristic's algorithm `algo` (and
-// the pass, for kLtPass); *ran false where the plan has no algorithm. A plan
-// with fewer algorithms (other pointer alignments than the tuner's, under
-// the same signature: tuner.cu) runs its last one.
+// the pass, for kLtPass); *ran false where the plan has no such algorithm.
 ffi::Error run_lt(const GemmProblem& p, const GemmOperands& o, Way way, int algo, const Call& c, CudaRuntime& rt,
                   bool* ran) {
   *ran = false;
@@ -377,10 +379,8 @@ ffi::Error run_lt(const GemmProblem& p, const GemmOperands& o, Way way, int algo
   ffi::Error err = ffi::Error::Success();
   const LtPlan* plan = plan_for(*c.dh, p, o, c.t, epilogue, with_c, c.workspace_bytes, &err);
   if (!plan) return err;
-  if (plan->algos.empty()) return ffi::Error::Success();
-  algo = std::min(algo, int(plan->algos.size()) - 1);
-  if (epilogue == CUBLASLT_EPILOGUE_BIAS || epilogue == CUBLASLT_EPILOGUE_RELU_BIAS ||
-      epilogue == CUBLASLT_EPILOGUE_GELU_BIAS || epilogue == CUBLASLT_EPILOGUE_GELU_AUX_BIAS) {
+  if (algo >= int(plan->algos.size())) return ffi::Error::Success();
+  if (has_bias(epilogue)) {
     const void* bias = o.bias;
     REGEMM_CUBLAS_CHECK(
         cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof bias));

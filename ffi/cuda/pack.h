@@ -16,12 +16,16 @@ template <class T, int V> struct alignas(sizeof(T) * V) Pack { T v[V]; };
 
 inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
-// The largest power of two, up to 256, that divides the address (256 for
-// null): cuBLASLt's algorithms may assume the alignment they are told, and
-// the tuner keeps its winners per alignment.
+// The largest power of two, up to 16, that divides the address (16 for
+// null). 16 bytes is all any kernel here uses (TMA, 16-byte vectors,
+// cuBLASLt's vector loads); beyond that XLA's buffer offsets differ from
+// program to program. cuBLASLt's algorithms may assume the alignment they are
+// told, and the tuner keeps its winners per alignment: both read this one
+// value, so a winner's algorithm index means the same plan wherever its
+// signature recurs.
 inline uint32_t alignment(const void* p) {
   const uintptr_t a = reinterpret_cast<uintptr_t>(p);
-  uint32_t al = 256;
+  uint32_t al = 16;
   while (al > 1 && (a & (al - 1))) al /= 2;
   return al;
 }

@@ -59,14 +59,12 @@ namespace {
 using GemmEntry = Kernel<GemmProblem, GemmOperands, CudaRuntime>;
 
 // Everything a winner may depend on: the problem, whether the batch shares
-// operands (a loop of GEMMs or one batched call), the buffers' alignment up to
-// 16 bytes (which ways apply: TMA and 16-byte vectors need 16; beyond that
-// XLA's buffer offsets differ from program to program, and a winner should
-// carry over from rg.autotune's program to the captured one), and the
-// variables that change the candidates.
+// operands (a loop of GEMMs or one batched call), the buffers' alignment
+// (pack.h: up to 16 bytes, so that a winner carries over from rg.autotune's
+// program to the captured one), and the variables that change the candidates.
 std::string signature(const GemmProblem& p, const GemmOperands& o) {
   const bool use_c = p.has_c && p.beta != 0.0;
-  uint32_t al = std::min({alignment(o.a), alignment(o.b), alignment(o.y), alignment(o.z), 16u});
+  uint32_t al = std::min({alignment(o.a), alignment(o.b), alignment(o.y), alignment(o.z)});
   if (use_c) al = std::min(al, alignment(o.c));
   if (o.bias) al = std::min(al, alignment(o.bias));
   char buf[320];
