@@ -281,17 +281,24 @@ def test_dact_kernel(mode, kind):
     """The backward epilogue itself, every activation (act' from Z, and from Y
     where it can be): gZ and gBias against the float64 reference, through vmap
     (a batch of 2 in one call). N = 520 lets every dtype take 16-byte vectors,
-    N = 130 does not; both span several tiles each way. Positive gY keeps the
-    bias sums well-conditioned (a sum that cancels to near 0 has no relative
-    accuracy in bf16, whoever adds it up), and small enough that 156000 of them
-    fit in f16."""
+    N = 130 does not; both span several tiles each way, one row per thread.
+    The tiling's other cases, fewer acts each: 6 x 24 is one tile (every bias
+    kind's gradient written by the tile kernel), 37 x 24 one column tile (so
+    per-row), 1100 x 1040 4-16 rows per thread (by dtype) with a partial last
+    tile, 4224 x 1040 16 rows per thread. Positive gY keeps the bias sums
+    well-conditioned (a sum that cancels to near 0 has no relative accuracy in
+    bf16, whoever adds it up), and small enough that a sum of all of them fits
+    in f16."""
     dtype, _, tol = MODES[mode]
     r = Rand(11 + 7 * MODE_NAMES.index(mode) + KINDS.index(kind))
-    for m, n in ((300, 520), (261, 130)):
+    cases = (((300, 520), ACTS), ((261, 130), ACTS), ((6, 24), ("gelu", "relu")), ((37, 24), ("silu",)),
+             ((1100, 1040), ("tanh",)), ((4224, 1040), ("gelu",)))  # fmt: skip
+    for (m, n), acts in cases:
         blen = {"none": (), "scalar": (1,), "per_row": (m,), "per_col": (n,)}[kind]
-        for act in ACTS:
+        scale = 0.05 * min(1.0, 156000 / (m * n))
+        for act in acts:
             for from_y in (False, True) if act in ref.GRAD_FROM_Y else (False,):
-                gy = (0.05 * (jnp.abs(r.normal((2, m, n), jnp.float32)) + 0.1)).astype(dtype)
+                gy = (scale * (jnp.abs(r.normal((2, m, n), jnp.float32)) + 0.1)).astype(dtype)
                 s = r.normal((2, m, n), dtype, 2.0)
                 if from_y:  # a Y the activation can produce
                     s = ref.act_fwd(act, s.astype(jnp.float32)).astype(dtype)

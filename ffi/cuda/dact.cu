@@ -8,11 +8,13 @@
 // template parameter, so the per-element work is straight-line code.
 //
 // Determinism: gBias is bit-identical from run to run. No atomics; every sum
-// has a fixed order. The M x N output is cut into tiles of kTileRows rows by
+// has a fixed order. The M x N output is cut into tiles of 8 x rows rows by
 // 32 vectors of columns (block of 32 x 8 threads; thread (x, y) covers one
-// vector of columns and rows y, y + 8, ...). A tile's partial sums are added
-// in a fixed order and written to the workspace; a second kernel adds the
-// partials of the tiles in tile order.
+// vector of columns and rows y, y + 8, ...; tile_shape picks rows). A tile's
+// partial sums are added in a fixed order and written to the workspace; a
+// second kernel adds the partials of the tiles in tile order. Where each bias
+// element has one tile (M within one tile for a per-column bias), the tile
+// kernel writes the bias gradient itself: one launch instead of two.
 // The bias gradient sums gZ as stored (rounded to the output dtype), in the
 // accumulation type (f32, or f64 for f64).
 // act' of bf16/f16 uses the GPU's approximate exp and division (FastMath,
@@ -33,15 +35,20 @@ namespace {
 constexpr int kLanes = 32;                          // vectors of columns per tile = lanes of a warp
 constexpr int kWarps = 8;                           // warps per block, along rows
 constexpr int kThreads = kLanes * kWarps;           // 256
-// 128 rows per tile, one row at a time. Measured on the H100 against 64-row
-// tiles and against loading 4 rows before the first use (benchmarks/NOTES.md):
-// within 3% of the best of those everywhere; loading 4 rows at once made
-// the bf16 relu kernel 2x slower.
-constexpr int kTileRows = 128;
-constexpr int kRowsPerThread = kTileRows / kWarps;  // 16
+// Rows per thread: 16 (tiles of 128 rows), one row at a time. Measured on the
+// H100 against 64-row tiles and against loading 4 rows before the first use
+// (benchmarks/NOTES.md): within 3% of the best of those everywhere; loading 4
+// rows at once made the bf16 relu kernel 2x slower. Small outputs take fewer
+// rows per thread (tile_shape): 16 rows per thread would leave most of the
+// GPU idle (128 x 1024 bf16: 4 blocks on 132 SMs, so gelu's act' ran on 4 SMs).
+constexpr int kMaxRowsPerThread = 16;
+// Enough blocks that every SM of a large GPU (132 on the H100) gets two.
+constexpr int64_t kFillBlocks = 264;
 
 struct DactArgs {
   int64_t m, n, batch, stride_gy, stride_s, tiles_m, tiles_n;
+  int rows;     // rows per thread: a tile is kWarps * rows rows
+  bool direct;  // one tile per bias element: the tile kernel writes gBias itself
   int64_t len;  // of the bias (0: none)
   const void* gy;
   const void* s;
@@ -52,6 +59,21 @@ struct DactArgs {
   bool from_y;
   BiasKind kind;
 };
+
+// The tiling of an M x N output: rows per thread (halved from 16 while the
+// grid would have fewer than kFillBlocks blocks) and the tile counts. `cols`:
+// columns per tile.
+struct TileShape {
+  int rows;
+  int64_t tiles_m, tiles_n;
+};
+TileShape tile_shape(int64_t m, int64_t n, int64_t batch, int64_t cols) {
+  const int64_t tiles_n = (n + cols - 1) / cols, entries = batch < 65535 ? batch : 65535;
+  int rows = kMaxRowsPerThread;
+  auto tiles_m = [&] { return (m + kWarps * rows - 1) / (kWarps * rows); };
+  while (rows > 1 && tiles_m() * tiles_n * entries < kFillBlocks) rows /= 2;
+  return {rows, tiles_m(), tiles_n};
+}
 
 // Partial sums per batch entry, in the layout of each kind:
 // per-col [tiles_m][n], per-row [tiles_n][m], scalar [tiles_m * tiles_n].
@@ -104,13 +126,21 @@ __global__ void __launch_bounds__(kThreads) dact_tiles_kernel(const DactArgs a) 
     const T* gy = static_cast<const T*>(a.gy) + b * a.stride_gy;
     const T* s = static_cast<const T*>(a.s) + b * a.stride_s;
     T* gz = static_cast<T*>(a.gz) + b * a.m * a.n;
-    A* part = a.kind == BiasKind::kNone ? nullptr : static_cast<A*>(a.partials) + b * per_batch;
+    // Direct: the one partial of each bias element is its gradient, stored
+    // in place of the partials (the layouts agree when there is one tile per
+    // element), and the sum kernel is not launched.
+    A* part = a.kind == BiasKind::kNone || a.direct ? nullptr : static_cast<A*>(a.partials) + b * per_batch;
+    T* gb = a.direct ? static_cast<T*>(a.gbias) + b * a.len : nullptr;
+    auto put = [&](int64_t i, A v) {
+      if (gb) gb[i] = store<T>(v);
+      else part[i] = v;
+    };
     A colsum[V];
 #pragma unroll
     for (int v = 0; v < V; ++v) colsum[v] = A(0);
 #pragma unroll 4
-    for (int r = 0; r < kRowsPerThread; ++r) {
-      const int64_t row = tm * kTileRows + threadIdx.y + r * kWarps;
+    for (int r = 0; r < a.rows; ++r) {
+      const int64_t row = tm * kWarps * a.rows + threadIdx.y + r * kWarps;
       A rowsum = A(0);
       if (row < a.m && col_in) {
         const int64_t off = row * a.n + col;
@@ -130,7 +160,7 @@ __global__ void __launch_bounds__(kThreads) dact_tiles_kernel(const DactArgs a) 
       }
       if (a.kind == BiasKind::kPerRow) {  // uniform branch: the whole warp takes it
         rowsum = warp_sum(rowsum);
-        if (threadIdx.x == 0 && row < a.m) part[tn * a.m + row] = rowsum;
+        if (threadIdx.x == 0 && row < a.m) put(tn * a.m + row, rowsum);
       }
     }
     if (a.kind == BiasKind::kPerCol) {
@@ -143,7 +173,7 @@ __global__ void __launch_bounds__(kThreads) dact_tiles_kernel(const DactArgs a) 
           A sum = A(0);
 #pragma unroll
           for (int y = 0; y < kWarps; ++y) sum += red[y][threadIdx.x * V + v];
-          part[tm * a.n + col + v] = sum;
+          put(tm * a.n + col + v, sum);
         }
       }
       __syncthreads();  // red is reused by the next batch entry
@@ -152,7 +182,7 @@ __global__ void __launch_bounds__(kThreads) dact_tiles_kernel(const DactArgs a) 
 #pragma unroll
       for (int v = 0; v < V; ++v) t += colsum[v];
       t = block_sum(t);
-      if (threadIdx.x == 0 && threadIdx.y == 0) part[tm * a.tiles_n + tn] = t;
+      if (threadIdx.x == 0 && threadIdx.y == 0) put(tm * a.tiles_n + tn, t);
     }
   }
 }
@@ -229,12 +259,14 @@ ffi::Error run_t(const DactProblem& p, const DactOperands& o, CudaRuntime& rt) {
   using A = acc_t<T>;
   const bool vec = vectorizable<T>(p, o);
   const BiasKind kind = o.gbias ? p.bias_kind : BiasKind::kNone;
-  DactArgs a{p.m, p.n, p.batch, p.stride_gy, p.stride_s,
-             (p.m + kTileRows - 1) / kTileRows, (p.n + tile_cols<T>(vec) - 1) / tile_cols<T>(vec),
+  const TileShape ts = tile_shape(p.m, p.n, p.batch, tile_cols<T>(vec));
+  DactArgs a{p.m, p.n, p.batch, p.stride_gy, p.stride_s, ts.tiles_m, ts.tiles_n, ts.rows, /*direct=*/false,
              bias_length(kind, p.m, p.n), o.gy, o.s, o.gz, o.gbias, /*partials=*/nullptr, p.slope, p.from_y, kind};
+  a.direct = kind != BiasKind::kNone && a.len > 0 && partials_per_batch(kind, a.m, a.n, a.tiles_m, a.tiles_n) == a.len;
   const int64_t tiles = a.tiles_m * a.tiles_n;
   if (tiles > int64_t(0x7fffffff)) return bad("gY too large for the backward-epilogue grid");
-  const size_t bytes = size_t(a.batch * partials_per_batch(kind, a.m, a.n, a.tiles_m, a.tiles_n)) * sizeof(A);
+  const int64_t parts = a.direct ? 0 : a.batch * partials_per_batch(kind, a.m, a.n, a.tiles_m, a.tiles_n);
+  const size_t bytes = size_t(parts) * sizeof(A);
   if (auto e = rt.workspace(bytes, &a.partials); e.failure()) return e;
   // With no tiles at all (M or N is 0) the sums below write zeros.
   if (tiles > 0) {
@@ -242,6 +274,7 @@ ffi::Error run_t(const DactProblem& p, const DactOperands& o, CudaRuntime& rt) {
                  : launch_tiles<T, 1>(a, p.act, unsigned(tiles), rt.stream);
     if (e.failure()) return e;
   }
+  if (a.direct) return ffi::Error::Success();  // (direct: len > 0 partials, so tiles > 0)
   const dim3 block(kLanes, kWarps);
   const int64_t len = a.len;
   if (kind == BiasKind::kScalar) {
@@ -266,9 +299,14 @@ ffi::Error run_dact(const DactProblem& p, const DactOperands& o, CudaRuntime& rt
 }
 
 template <class T> size_t workspace_t(int64_t m, int64_t n, int64_t batch, BiasKind kind) {
-  // The unvectorized tiles are the narrowest: the most partial sums.
-  const int64_t tiles_m = (m + kTileRows - 1) / kTileRows, tiles_n = (n + kLanes - 1) / kLanes;
-  return size_t(batch * partials_per_batch(kind, m, n, tiles_m, tiles_n)) * sizeof(acc_t<T>);
+  // Either tiling (vectorized or not: known only from the pointers at run time).
+  size_t most = 0;
+  for (const bool vec : {false, true}) {
+    const TileShape ts = tile_shape(m, n, batch, tile_cols<T>(vec));
+    const size_t b = size_t(batch * partials_per_batch(kind, m, n, ts.tiles_m, ts.tiles_n)) * sizeof(acc_t<T>);
+    most = b > most ? b : most;
+  }
+  return most;
 }
 
 const Register<DactProblem, DactOperands, CudaRuntime> kRegister({
@@ -277,7 +315,13 @@ const Register<DactProblem, DactOperands, CudaRuntime> kRegister({
 }  // namespace
 
 size_t dact_workspace_bytes(DType t, int64_t m, int64_t n, int64_t batch, BiasKind kind) {
-  const size_t bytes = t == DType::kF64 ? workspace_t<double>(m, n, batch, kind) : workspace_t<float>(m, n, batch, kind);
+  size_t bytes = 0;
+  switch (t) {  // the tiles' width (vector length) depends on the element type
+    case DType::kF32: bytes = workspace_t<float>(m, n, batch, kind); break;
+    case DType::kF64: bytes = workspace_t<double>(m, n, batch, kind); break;
+    case DType::kBF16: bytes = workspace_t<bf16_t>(m, n, batch, kind); break;
+    case DType::kF16: bytes = workspace_t<f16_t>(m, n, batch, kind); break;
+  }
   return bytes == 0 ? 0 : bytes + kWorkspaceAlign;
 }
 
