@@ -169,6 +169,7 @@ def main():
     p.add_argument("--acts", default=",".join(rg.ACTIVATIONS))
     p.add_argument("--modes", default="fwd,fwd_bwd")
     p.add_argument("--no-mlp", action="store_true")
+    p.add_argument("--no-layer", action="store_true", help="only the MLPs")
     p.add_argument("--layers", default="", help="override shapes: M:K:N,M:K:N")
     p.add_argument("--mlps", default="", help="override MLPs: batch:width:depth,...")
     p.add_argument("--repeats", type=int, default=20)
@@ -183,6 +184,8 @@ def main():
     layers = LAYERS_FULL if args.grid == "full" else LAYERS_QUICK
     if args.layers:
         layers = [tuple(int(v) for v in s.split(":")) for s in args.layers.split(",")]
+    if args.no_layer:
+        layers = []
     os.makedirs(args.out, exist_ok=True)
     dev = jax.devices()[0]
     print(f"device: {dev.device_kind}  jax {jax.__version__}  kernels: {rg.kernels()}", flush=True)
