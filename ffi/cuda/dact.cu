@@ -21,6 +21,7 @@
 // activation.h: ~1e-7 relative, far below the 16-bit rounding of gZ); the
 // precise forms cost gelu's pass 24 us against relu's 13 (4096x1024 bf16,
 // benchmarks/NOTES.md). f32 and f64 keep the precise forms.
+#include <algorithm>
 #include <cstdint>
 #include <type_traits>
 
@@ -252,14 +253,15 @@ template <class T> bool vectorizable(const DactProblem& p, const DactOperands& o
          aligned16(o.gz);
 }
 
-template <class T> int64_t tile_cols(bool vec) { return int64_t(kLanes) * (vec ? kVec<T> : 1); }
+// Columns per tile: a warp's vectors (16 bytes each), or a warp's elements.
+int64_t tile_cols(int64_t elem_bytes, bool vec) { return int64_t(kLanes) * (vec ? 16 / elem_bytes : 1); }
 
 template <class T>
 ffi::Error run_t(const DactProblem& p, const DactOperands& o, CudaRuntime& rt) {
   using A = acc_t<T>;
   const bool vec = vectorizable<T>(p, o);
   const BiasKind kind = o.gbias ? p.bias_kind : BiasKind::kNone;
-  const TileShape ts = tile_shape(p.m, p.n, p.batch, tile_cols<T>(vec));
+  const TileShape ts = tile_shape(p.m, p.n, p.batch, tile_cols(sizeof(T), vec));
   DactArgs a{p.m, p.n, p.batch, p.stride_gy, p.stride_s, ts.tiles_m, ts.tiles_n, ts.rows, /*direct=*/false,
              bias_length(kind, p.m, p.n), o.gy, o.s, o.gz, o.gbias, /*partials=*/nullptr, p.slope, p.from_y, kind};
   a.direct = kind != BiasKind::kNone && a.len > 0 && partials_per_batch(kind, a.m, a.n, a.tiles_m, a.tiles_n) == a.len;
@@ -298,29 +300,18 @@ ffi::Error run_dact(const DactProblem& p, const DactOperands& o, CudaRuntime& rt
   return bad("backward epilogue: unsupported dtype");
 }
 
-template <class T> size_t workspace_t(int64_t m, int64_t n, int64_t batch, BiasKind kind) {
-  // Either tiling (vectorized or not: known only from the pointers at run time).
-  size_t most = 0;
-  for (const bool vec : {false, true}) {
-    const TileShape ts = tile_shape(m, n, batch, tile_cols<T>(vec));
-    const size_t b = size_t(batch * partials_per_batch(kind, m, n, ts.tiles_m, ts.tiles_n)) * sizeof(acc_t<T>);
-    most = b > most ? b : most;
-  }
-  return most;
-}
-
 const Register<DactProblem, DactOperands, CudaRuntime> kRegister({
     "cuda_dact", 0, [](const DactProblem&) { return true; }, run_dact});
 
 }  // namespace
 
 size_t dact_workspace_bytes(DType t, int64_t m, int64_t n, int64_t batch, BiasKind kind) {
+  const size_t acc = t == DType::kF64 ? sizeof(acc_t<double>) : sizeof(acc_t<float>);
+  // Either tiling (vectorized or not: known only from the pointers at run time).
   size_t bytes = 0;
-  switch (t) {  // the tiles' width (vector length) depends on the element type
-    case DType::kF32: bytes = workspace_t<float>(m, n, batch, kind); break;
-    case DType::kF64: bytes = workspace_t<double>(m, n, batch, kind); break;
-    case DType::kBF16: bytes = workspace_t<bf16_t>(m, n, batch, kind); break;
-    case DType::kF16: bytes = workspace_t<f16_t>(m, n, batch, kind); break;
+  for (const bool vec : {false, true}) {
+    const TileShape ts = tile_shape(m, n, batch, tile_cols(dtype_size(t), vec));
+    bytes = std::max(bytes, size_t(batch * partials_per_batch(kind, m, n, ts.tiles_m, ts.tiles_n)) * acc);
   }
   return bytes == 0 ? 0 : bytes + kWorkspaceAlign;
 }
