@@ -63,11 +63,17 @@ template <int KT> struct ConfigTraits<Config::kStreamK128x128, KT> {
   using Scheduler = cutlass::gemm::StreamKScheduler;
 };
 
-template <DType D, bool TA, bool TB, Config C>
-struct GemmType {
+// The K extent of a tile: 128 bytes.
+template <DType D>
+inline constexpr int kTileK = 128 / int(sizeof(typename Elem<D>::type));
+
+// The kernel type for a dtype, the operand layouts and a ConfigTraits-like
+// Cfg (Tile, Cluster, Mainloop, Epilogue, Scheduler).
+template <DType D, bool TA, bool TB, class Cfg_>
+struct GemmTypeOf {
   using T = typename Elem<D>::type;
+  using Cfg = Cfg_;
   static constexpr int kAlign = 16 / int(sizeof(T));  // TMA: 16-byte rows
-  using Cfg = ConfigTraits<C, 128 / int(sizeof(T))>;
   static constexpr bool kSwap = D == DType::kF32 && !TA && !TB;  // see the header comment
   using ColMajor = cutlass::layout::ColumnMajor;
   using RowMajor = cutlass::layout::RowMajor;
@@ -96,6 +102,9 @@ struct GemmType {
   using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, CollectiveMainloop,
                                                       CollectiveEpilogue, typename Cfg::Scheduler>;
 };
+
+template <DType D, bool TA, bool TB, Config C>
+using GemmType = GemmTypeOf<D, TA, TB, ConfigTraits<C, kTileK<D>>>;
 
 // A rank-3 CuTe stride (rows, cols, batch) with one static unit mode: the
 // leading dimension goes to whichever of the first two modes is dynamic.
@@ -156,9 +165,12 @@ Status launch_kernel(typename K::Params& params, cudaStream_t stream) {
   return {};
 }
 
-template <DType D, bool TA, bool TB, Config C>
-Status run_gemm(const GemmProblem& p, const GemmOperands& o, const Launch& l) {
-  using G = GemmType<D, TA, TB, C>;
+// One launch of the kernel G (a GemmTypeOf) for p; `sched`: the tile
+// scheduler's run-time options (raster order, swizzle), CUTLASS's defaults
+// unless given.
+template <class G>
+Status run_gemm_of(const GemmProblem& p, const GemmOperands& o, const Launch& l,
+                   typename G::Kernel::TileSchedulerArguments sched = {}) {
   using T = typename G::T;
   using K = typename G::Kernel;
 
@@ -210,7 +222,8 @@ Status run_gemm(const GemmProblem& p, const GemmOperands& o, const Launch& l) {
       {int(km), int(kn), int(p.k), int(p.batch)},
       {static_cast<const T*>(ka), sa, static_cast<const T*>(kb), sb},
       {fa, static_cast<const T*>(c_ptr), sc, static_cast<T*>(o.y), sd},
-      hw};
+      hw,
+      sched};
 
   // Host work first (argument checks, TMA descriptors, the shared-memory
   // limit), then the device work back to back: whatever `before` enqueues,
@@ -237,6 +250,11 @@ Status run_gemm(const GemmProblem& p, const GemmOperands& o, const Launch& l) {
   // workspace; the data-parallel decomposition has none.
   if (l.enqueued) *l.enqueued += 1 + (ws_bytes > 0);
   return launch_kernel<K>(params, l.stream);
+}
+
+template <DType D, bool TA, bool TB, Config C>
+Status run_gemm(const GemmProblem& p, const GemmOperands& o, const Launch& l) {
+  return run_gemm_of<GemmType<D, TA, TB, C>>(p, o, l);
 }
 
 }  // namespace regemm::cutlass_sm90
