@@ -80,7 +80,8 @@ def _forward(args, kw, kind, store_z, precision=None):
 
 
 # (dtype, exact f32, M, N, K, act, bias kind, C, Z, trans_a, trans_b, the ways that must exist)
-_CUTLASS_WAYS = ["cutlass_sm90/coop128x256", "cutlass_sm90/ping128x128+pass", "cutlass_sm90/streamk128x128"]
+_CUTLASS_WAYS = ["cutlass_sm90/coop128x256", "cutlass_sm90/ping128x128+pass", "cutlass_sm90/streamk128x128",
+                 "cutlass_sm90/ping128x128c1"]
 CASES = [
     # cuBLASLt's GELU_AUX_BIAS with C through beta; CUTLASS fused and split; SIMT
     ("bfloat16", False, 264, 392, 136, "gelu", "per_col", True, True, False, False,
@@ -113,6 +114,28 @@ def test_every_way_computes_the_op(case, way, monkeypatch):
     assert _rel(y, y_ref) < tol, (way, ran, _rel(y, y_ref))
     if store_z:
         assert _rel(z, z_ref) < tol, (way, ran, _rel(z, z_ref))
+
+
+# Every CUTLASS tile configuration for every dtype and layout (CASES reaches
+# each configuration in one layout only): its own kernel object each.
+_CONFIG_WAYS = [f"cutlass_sm90/{c}" for c in ("coop128x256", "ping128x128", "streamk128x128", "ping128x128c1")]
+
+
+@pytest.mark.skipif(not CUTLASS, reason="needs a Hopper GPU and the CUTLASS kernels")
+@pytest.mark.parametrize("way", _CONFIG_WAYS)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+@pytest.mark.parametrize("ta,tb", [(False, False), (False, True), (True, False), (True, True)])
+def test_every_config_kernel(way, dtype, ta, tb, monkeypatch):
+    monkeypatch.setenv("REGEMM_VARIANT", way)
+    cuda.forget_tuned()
+    args, kw = _problem(_CONFIG_WAYS.index(way), dtype, 264, 200, 136, act="silu", kind="per_col", with_c=True,
+                        trans_a=ta, trans_b=tb)  # fmt: skip
+    y, z = _forward(args, kw, "per_col", store_z=True)
+    ran = set(rg.tuned().values())
+    assert ran == {way}, ran
+    y_ref, z_ref = _reference(args, kw, "per_col")
+    assert _rel(y, y_ref) < TOL[dtype], (way, _rel(y, y_ref))
+    assert _rel(z, z_ref) < TOL[dtype], (way, _rel(z, z_ref))
 
 
 def _gelu_layer(seed=0, m=192, n=256, k=128):

@@ -81,10 +81,11 @@ if(REGEMM_CUTLASS_PREBUILT AND EXISTS "${REGEMM_CUTLASS_PREBUILT}/sources.sha256
   endif()
 endif()
 
-set(_regemm_cutlass_configs kCoop128x256 kPing128x128 kStreamK128x128)
+set(_regemm_cutlass_configs kCoop128x256 kPing128x128 kStreamK128x128 kPing128x128c1)
 set(_regemm_cutlass_short_kCoop128x256 coop)
 set(_regemm_cutlass_short_kPing128x128 ping)
 set(_regemm_cutlass_short_kStreamK128x128 streamk)
+set(_regemm_cutlass_short_kPing128x128c1 ping1)
 set(_regemm_cutlass_enum_bf16 kBF16)
 set(_regemm_cutlass_enum_f16 kF16)
 set(_regemm_cutlass_enum_f32 kF32)

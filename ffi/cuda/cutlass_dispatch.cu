@@ -117,7 +117,10 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 //   of 32 K-elements and trails by 30-45%);
 // - 16-bit, K in [512, 2048] with several waves of 128x128 tiles (8192x1024x4096):
 //   ping-pong, whose epilogue overlaps the other warpgroup's MMAs (1.02 vs 1.33);
-// - otherwise (long K: 4096x4096x1024, 16384x4096x4096): cooperative 128x256.
+// - 16-bit, 1-4 waves of 128x128 tiles (4096x4096x1024): ping-pong without a
+//   cluster (tools/tile_bench, session 9, cold, x cuBLAS: 1.10 vs 1.26 cooperative,
+//   1.29 ping-pong 2x1);
+// - otherwise (long K and many tiles: 16384x4096x4096): cooperative 128x256.
 Config rule_config(const GemmProblem& p, const DeviceInfo& dev, DType t, bool ta, bool tb) {
   const auto& table = KernelTable::get();
   const int64_t sms = dev.sm_count > 0 ? dev.sm_count : 132;
@@ -130,6 +133,8 @@ Config rule_config(const GemmProblem& p, const DeviceInfo& dev, DType t, bool ta
     c = Config::kStreamK128x128;
   else if (t == DType::kF32 || (p.k >= 512 && p.k <= 2048 && t128 >= 4 * sms))
     c = Config::kPing128x128;
+  else if (t128 < 4 * sms)
+    c = Config::kPing128x128c1;
   for (int i = 0; i < kNumConfigs && !table.find(t, ta, tb, c); ++i) c = Config(i);
   return c;
 }
@@ -293,9 +298,10 @@ Status run_with(const GemmProblem& p, const GemmOperands& o, const Launch& l, co
 Status run(const GemmProblem& p, const GemmOperands& o, const Launch& l) { return run_with(p, o, l, nullptr); }
 
 const char* choice_name(const GemmProblem& p, int c) {
-  static const char* const kNames[kNumChoices] = {"coop128x256", "coop128x256+pass", "ping128x128",
-                                                  "ping128x128+pass", "streamk128x128", "streamk128x128+pass"};
-  static_assert(kNumChoices == 6, "one name per choice");
+  static const char* const kNames[kNumChoices] = {"coop128x256",    "coop128x256+pass",    "ping128x128",
+                                                  "ping128x128+pass", "streamk128x128",    "streamk128x128+pass",
+                                                  "ping128x128c1",    "ping128x128c1+pass"};
+  static_assert(kNumChoices == 8, "one name per choice");
   if (c < 0 || c >= kNumChoices) return nullptr;
   const int config = c / 2, split = c % 2, fc = forced_config(), fs = forced_split();
   if (split && !costly_act(p.act)) return nullptr;

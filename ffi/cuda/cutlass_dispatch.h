@@ -6,7 +6,7 @@
 // activation (gelu, gelu_erf, silu, sigmoid, tanh) fused into the epilogue or
 // as a separate pass over Y. The registry's tuner (tuner.cu) times them
 // beside the other entries' ways; without it, run() takes
-//   REGEMM_CUTLASS_CONFIG=<name>  (coop128x256, ping128x128, streamk128x128)
+//   REGEMM_CUTLASS_CONFIG=<name>  (coop128x256, ping128x128, streamk128x128, ping128x128c1)
 //   and REGEMM_CUTLASS_SPLIT=0/1 where set (they also narrow the tuner's
 //   choices to those), else a rule on the tile count (rule_config in
 //   cutlass_dispatch.cu).

@@ -55,6 +55,9 @@ template <int KT> struct ConfigTraits<Config::kPing128x128, KT> {
   using Epilogue = cutlass::epilogue::TmaWarpSpecialized;
   using Scheduler = cutlass::gemm::PersistentScheduler;
 };
+template <int KT> struct ConfigTraits<Config::kPing128x128c1, KT> : ConfigTraits<Config::kPing128x128, KT> {
+  using Cluster = cute::Shape<cute::_1, cute::_1, cute::_1>;
+};
 template <int KT> struct ConfigTraits<Config::kStreamK128x128, KT> {
   using Tile = cute::Shape<cute::_128, cute::_128, cute::Int<KT>>;
   using Cluster = cute::Shape<cute::_1, cute::_1, cute::_1>;

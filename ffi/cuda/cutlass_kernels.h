@@ -25,9 +25,11 @@ enum class Config : int {
   kCoop128x256 = 0,  // cooperative (2 consumer warpgroups share a tile), cluster 2x1: large M*N
   kPing128x128 = 1,  // ping-pong (warpgroups alternate tiles; epilogue overlaps the other's MMA), cluster 2x1
   kStreamK128x128 = 2,  // cooperative + stream-K: splits K across SMs when M*N has too few tiles
+  kPing128x128c1 = 3,   // ping-pong, no cluster: faster than 2x1 at 1-4 waves of tiles, slower at 16+
 };
-inline constexpr int kNumConfigs = 3;
-inline constexpr const char* kConfigNames[kNumConfigs] = {"coop128x256", "ping128x128", "streamk128x128"};
+inline constexpr int kNumConfigs = 4;
+inline constexpr const char* kConfigNames[kNumConfigs] = {"coop128x256", "ping128x128", "streamk128x128",
+                                                          "ping128x128c1"};
 
 struct DeviceInfo {
   int device = 0;
@@ -48,7 +50,6 @@ struct Status {
 // workspace initialisation go right before the launch.
 struct Launch {
   cudaStream_t stream = nullptr;
-  bool capturing = false;  // the stream is being captured into a CUDA graph
   DeviceInfo dev;
   // Device work the kernel's inputs depend on, enqueued by every kernel
   // launch right before its own work: `before` must do its work once and

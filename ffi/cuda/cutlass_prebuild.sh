@@ -17,8 +17,8 @@ mkdir -p "$OUTDIR/src"
 FLAGS="-std=c++17 -O3 -DNDEBUG --expt-relaxed-constexpr -gencode=arch=compute_90a,code=sm_90a -Xptxas=-Werror -Xcompiler=-fPIC"
 
 declare -A ENUM=([bf16]=kBF16 [f16]=kF16 [f32]=kF32)
-declare -A CFG=([coop]=kCoop128x256 [ping]=kPing128x128 [streamk]=kStreamK128x128)
-for dt in $DTYPES; do for ta in false true; do for tb in false true; do for c in coop ping streamk; do
+declare -A CFG=([coop]=kCoop128x256 [ping]=kPing128x128 [streamk]=kStreamK128x128 [ping1]=kPing128x128c1)
+for dt in $DTYPES; do for ta in false true; do for tb in false true; do for c in coop ping streamk ping1; do
   n=cutlass_${dt}_${ta:0:1}${tb:0:1}_$c
   sed -e "s/@REGEMM_DT@/${ENUM[$dt]}/g; s/@REGEMM_TA@/$ta/g; s/@REGEMM_TB@/$tb/g; s/@REGEMM_CFG@/${CFG[$c]}/g" \
     ffi/cuda/cutlass_inst.cu.in > "$OUTDIR/src/$n.cu"

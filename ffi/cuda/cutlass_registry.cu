@@ -36,7 +36,6 @@ void* workspace_alloc(void* ctx, size_t bytes) { return static_cast<CudaRuntime*
 Launch launch_for(CudaRuntime& rt, const DeviceInfo& dev) {
   Launch l;
   l.stream = rt.stream;
-  l.capturing = rt.capturing;
   l.dev = dev;
   l.enqueued = &rt.ops;
   l.alloc = workspace_alloc;
