@@ -1,8 +1,9 @@
 #!/bin/bash
 # Builds tools/tile_bench/tile_bench: one object per variant (about a minute
 # each), in parallel. Needs the nvidia-cutlass and nvidia-cublas wheels.
-#   tools/tile_bench/build.sh [JOBS] V[:TA:TB] ...   e.g. 2 0 1 3 3:0:1 3:1:0
-# (V: TILE_V of variant.cu; TA/TB 0 or 1, default 0.) Objects go to
+#   tools/tile_bench/build.sh JOBS SCHED:M:N:CM:CN[:TA:TB] ...
+# e.g. 2 coop:128:256:2:1 ping:128:128:1:1 ping:128:128:1:1:1:0 (SCHED: coop,
+# ping or streamk; CMxCN the cluster; TA/TB 0 or 1, default 0). Objects go to
 # $TILE_OBJ (default /tmp/tile_bench_obj), the binary next to this script.
 # On the GPU machine: LD_LIBRARY_PATH=<site-packages>/nvidia/cu13/lib
 #   tools/tile_bench/tile_bench M:K:N:ACT:Z ...   (ACT: regemm::Act value; Z: 1 stores Z)
@@ -17,8 +18,9 @@ FLAGS="-std=c++17 -O3 -DNDEBUG --expt-relaxed-constexpr -gencode=arch=compute_90
 mkdir -p "$OBJ"
 rm -f "$OBJ"/*.o
 for spec in "$@"; do
-  IFS=: read -r v ta tb <<< "$spec"
-  echo "nvcc $FLAGS -I$CL/include -I$CL/tools/util/include -DTILE_V=$v -DTILE_TA=${ta:-0} -DTILE_TB=${tb:-0} -c variant.cu -o $OBJ/v${v}_${ta:-0}${tb:-0}.o"
+  IFS=: read -r sched m n cm cn ta tb <<< "$spec"
+  d="-DTILE_SCHED=$sched -DTILE_M=$m -DTILE_N=$n -DTILE_CM=$cm -DTILE_CN=$cn -DTILE_TA=${ta:-0} -DTILE_TB=${tb:-0}"
+  echo "nvcc $FLAGS -I$CL/include -I$CL/tools/util/include $d -c variant.cu -o $OBJ/${spec//:/_}.o"
 done | xargs -P "$JOBS" -I{} bash -c "{}"
 nvcc $FLAGS -I$CL/include -I$CB/include -c main.cu -o "$OBJ/main.o"
 nvcc -gencode=arch=compute_90a,code=sm_90a "$OBJ"/*.o -L"$CB/lib" -Xlinker -l:libcublas.so.13 -o tile_bench

@@ -1,73 +1,39 @@
 // One bf16 tile variant of the regemm CUTLASS kernel (ffi/cuda/cutlass_gemm.cuh,
-// same epilogue), chosen by -DTILE_V=n; -DTILE_TA/-DTILE_TB: the layouts.
-// Session 9 (benchmarks/NOTES.md) measured these; ping128x128_c11 became
-// Config::kPing128x128c1.
+// same epilogue), chosen at compile time (build.sh sets these):
+//   TILE_SCHED  coop, ping or streamk (cooperative, ping-pong, cooperative + stream-K)
+//   TILE_M, TILE_N, TILE_CM, TILE_CN   tile and cluster shape
+//   TILE_TA, TILE_TB   A stored [K, M], B stored [N, K]
+// Session 9 (benchmarks/NOTES.md) measured these; ping 128x128 without a
+// cluster became Config::kPing128x128c1.
 #include "cutlass_gemm.cuh"
 #include "harness.h"
 
 using namespace regemm;
 using namespace regemm::cutlass_sm90;
-using namespace cute;
 namespace cg = cutlass::gemm;
 namespace ce = cutlass::epilogue;
 
-template <class Tile_, class Cluster_, class Mainloop_, class Epilogue_, class Scheduler_>
-struct Cfg {
-  using Tile = Tile_;
-  using Cluster = Cluster_;
-  using Mainloop = Mainloop_;
-  using Epilogue = Epilogue_;
-  using Scheduler = Scheduler_;
+struct coop {
+  using Mainloop = cg::KernelTmaWarpSpecializedCooperative;
+  using Epilogue = ce::TmaWarpSpecializedCooperative;
+  using Scheduler = cg::PersistentScheduler;
 };
-using Coop = Cfg<void, void, cg::KernelTmaWarpSpecializedCooperative, ce::TmaWarpSpecializedCooperative,
-                 cg::PersistentScheduler>;
-using Ping = Cfg<void, void, cg::KernelTmaWarpSpecializedPingpong, ce::TmaWarpSpecialized, cg::PersistentScheduler>;
-template <class S, int M, int N, int CM, int CN>
-using Make = Cfg<Shape<Int<M>, Int<N>, _64>, Shape<Int<CM>, Int<CN>, _1>, typename S::Mainloop, typename S::Epilogue,
-                 typename S::Scheduler>;
-using StreamK = Cfg<void, void, cg::KernelTmaWarpSpecializedCooperative, ce::TmaWarpSpecializedCooperative,
-                    cg::StreamKScheduler>;
+struct ping {
+  using Mainloop = cg::KernelTmaWarpSpecializedPingpong;
+  using Epilogue = ce::TmaWarpSpecialized;
+  using Scheduler = cg::PersistentScheduler;
+};
+struct streamk : coop {
+  using Scheduler = cg::StreamKScheduler;
+};
 
-// name, config: "_cMN" is the cluster shape.
-#if TILE_V == 0
-#define NAME "coop128x256_c21"  // Config::kCoop128x256
-using CF = Make<Coop, 128, 256, 2, 1>;
-#elif TILE_V == 1
-#define NAME "ping128x128_c21"  // Config::kPing128x128
-using CF = Make<Ping, 128, 128, 2, 1>;
-#elif TILE_V == 2
-#define NAME "streamk128x128_c11"  // Config::kStreamK128x128
-using CF = Make<StreamK, 128, 128, 1, 1>;
-#elif TILE_V == 3
-#define NAME "ping128x128_c11"  // Config::kPing128x128c1
-using CF = Make<Ping, 128, 128, 1, 1>;
-#elif TILE_V == 4
-#define NAME "coop128x256_c11"
-using CF = Make<Coop, 128, 256, 1, 1>;
-#elif TILE_V == 5
-#define NAME "coop128x256_c12"
-using CF = Make<Coop, 128, 256, 1, 2>;
-#elif TILE_V == 6
-#define NAME "coop128x128_c21"
-using CF = Make<Coop, 128, 128, 2, 1>;
-#elif TILE_V == 7
-#define NAME "coop128x128_c12"
-using CF = Make<Coop, 128, 128, 1, 2>;
-#elif TILE_V == 8
-#define NAME "coop256x128_c12"
-using CF = Make<Coop, 256, 128, 1, 2>;
-#elif TILE_V == 9
-#define NAME "coop128x192_c21"
-using CF = Make<Coop, 128, 192, 2, 1>;
-#elif TILE_V == 10
-#define NAME "ping128x128_c12"
-using CF = Make<Ping, 128, 128, 1, 2>;
-#elif TILE_V == 11
-#define NAME "ping64x256_c21"
-using CF = Make<Ping, 64, 256, 2, 1>;
-#else
-#error "TILE_V: 0-11"
-#endif
+struct CF : TILE_SCHED {
+  using Tile = cute::Shape<cute::Int<TILE_M>, cute::Int<TILE_N>, cute::_64>;
+  using Cluster = cute::Shape<cute::Int<TILE_CM>, cute::Int<TILE_CN>, cute::_1>;
+};
+#define STR2(x) #x
+#define STR(x) STR2(x)
+#define NAME STR(TILE_SCHED) STR(TILE_M) "x" STR(TILE_N) "_c" STR(TILE_CM) STR(TILE_CN)
 
 using G = GemmTypeOf<DType::kBF16, bool(TILE_TA), bool(TILE_TB), CF>;
 
