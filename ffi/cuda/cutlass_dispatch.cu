@@ -3,19 +3,16 @@
 
 #include <cuda_runtime.h>
 
+#include <array>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
+#include <string>
 
 #include "../regemm/env.h"
 #include "pack.h"
 
 namespace regemm::cutlass_sm90 {
-namespace {
-
-int64_t dtype_bytes(DType t) { return t == DType::kF32 ? 4 : 2; }
-
-}  // namespace
 
 // ---------------------------------------------------------------------------
 // Device: queried once per device (attribute queries are cheap, but there is
@@ -57,7 +54,7 @@ bool can_run(const GemmProblem& p) {
   const int64_t kIntMax = 0x7fffffff;
   if (p.m > kIntMax || p.n > kIntMax || p.k > kIntMax || p.batch > kIntMax) return false;
   // TMA: every row (leading dimension) and batch stride a multiple of 16 bytes.
-  const int64_t e = dtype_bytes(p.dtype);
+  const int64_t e = dtype_size(p.dtype);
   auto aligned = [&](int64_t elems) { return (elems * e) % 16 == 0; };
   if (!aligned(p.lda()) || !aligned(p.ldb()) || !aligned(p.n)) return false;
   if (!aligned(p.stride_a) || !aligned(p.stride_b) || (p.has_c && !aligned(p.stride_c))) return false;
@@ -88,7 +85,7 @@ Status launch(RunFn fn, const GemmProblem& p, const GemmOperands& o, const Launc
   if (!zero_stride || stride0_ok) return fn(p, o, l);
   GemmProblem q = p;
   q.batch = 1;
-  const int64_t e = dtype_bytes(p.dtype), mn = p.m * p.n;
+  const int64_t e = dtype_size(p.dtype), mn = p.m * p.n;
   auto at = [e](const void* base, int64_t elems) -> const char* {
     return base ? static_cast<const char*>(base) + elems * e : nullptr;
   };
@@ -298,17 +295,18 @@ Status run_with(const GemmProblem& p, const GemmOperands& o, const Launch& l, co
 Status run(const GemmProblem& p, const GemmOperands& o, const Launch& l) { return run_with(p, o, l, nullptr); }
 
 const char* choice_name(const GemmProblem& p, int c) {
-  static const char* const kNames[kNumChoices] = {"coop128x256",    "coop128x256+pass",    "ping128x128",
-                                                  "ping128x128+pass", "streamk128x128",    "streamk128x128+pass",
-                                                  "ping128x128c1",    "ping128x128c1+pass"};
-  static_assert(kNumChoices == 8, "one name per choice");
+  static const std::array<std::string, kNumChoices> kNames = [] {  // kConfigNames, each also "+pass"
+    std::array<std::string, kNumChoices> n;
+    for (int i = 0; i < kNumChoices; ++i) n[i] = std::string(kConfigNames[i / 2]) + (i % 2 ? "+pass" : "");
+    return n;
+  }();
   if (c < 0 || c >= kNumChoices) return nullptr;
   const int config = c / 2, split = c % 2, fc = forced_config(), fs = forced_split();
   if (split && !costly_act(p.act)) return nullptr;
   if ((fc >= 0 && config != fc) || (fs >= 0 && split != fs)) return nullptr;
   const bool tb = p.trans_b || f32_transpose_b(p);
   if (!KernelTable::get().find(p.dtype, p.trans_a, tb, Config(config))) return nullptr;
-  return kNames[c];
+  return kNames[c].c_str();
 }
 
 Status run_choice(const GemmProblem& p, const GemmOperands& o, const Launch& l, int c) {

@@ -168,12 +168,9 @@ Status launch_kernel(typename K::Params& params, cudaStream_t stream) {
   return {};
 }
 
-// One launch of the kernel G (a GemmTypeOf) for p; `sched`: the tile
-// scheduler's run-time options (raster order, swizzle), CUTLASS's defaults
-// unless given.
+// One launch of the kernel G (a GemmTypeOf) for p.
 template <class G>
-Status run_gemm_of(const GemmProblem& p, const GemmOperands& o, const Launch& l,
-                   typename G::Kernel::TileSchedulerArguments sched = {}) {
+Status run_gemm_of(const GemmProblem& p, const GemmOperands& o, const Launch& l) {
   using T = typename G::T;
   using K = typename G::Kernel;
 
@@ -225,8 +222,7 @@ Status run_gemm_of(const GemmProblem& p, const GemmOperands& o, const Launch& l,
       {int(km), int(kn), int(p.k), int(p.batch)},
       {static_cast<const T*>(ka), sa, static_cast<const T*>(kb), sb},
       {fa, static_cast<const T*>(c_ptr), sc, static_cast<T*>(o.y), sd},
-      hw,
-      sched};
+      hw};
 
   // Host work first (argument checks, TMA descriptors, the shared-memory
   // limit), then the device work back to back: whatever `before` enqueues,

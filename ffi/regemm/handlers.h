@@ -38,8 +38,6 @@ inline bool to_dtype(ffi::DataType t, DType* out) {
   }
 }
 
-inline int64_t dtype_size(DType t) { return t == DType::kF64 ? 8 : t == DType::kF32 ? 4 : 2; }
-
 inline std::string shape_str(ffi::Span<const int64_t> dims) {
   std::string s = "[";
   for (size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);

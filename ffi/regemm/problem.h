@@ -14,6 +14,9 @@ enum class DType : int { kF32, kF64, kBF16, kF16 };
 // Names as NumPy spells them (what Python passes to the module's functions).
 inline constexpr std::string_view kDTypeNames[] = {"float32", "float64", "bfloat16", "float16"};
 
+// Bytes per element.
+inline int64_t dtype_size(DType t) { return t == DType::kF64 ? 8 : t == DType::kF32 ? 4 : 2; }
+
 inline bool parse_dtype(std::string_view name, DType* t) {
   for (int i = 0; i < 4; ++i)
     if (kDTypeNames[i] == name) { *t = DType(i); return true; }
