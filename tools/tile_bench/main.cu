@@ -15,6 +15,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <random>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -90,7 +91,7 @@ int main(int argc, char** argv) {
   for (auto& q : ps) {
     printf("\n== M %ld K %ld N %ld act %d z %d (GFLOP %.1f, floor %.1f us at 730 TF)\n", q.m, q.k, q.n, q.act, q.z,
            2.0 * q.m * q.k * q.n / 1e9, 2.0 * q.m * q.k * q.n / 730e12 * 1e6);
-    struct Cand { std::string name; int ta, tb; std::function<void()> run; std::vector<float> cold, warm; float md; };
+    struct Cand { std::string name; int ta, tb; std::function<void()> run; std::vector<float> cold, cold2, warm; float md; };
     std::vector<Cand> cands;
     const float alpha = 1, beta = 0;
     for (int lay = 0; lay < 4; ++lay) {
@@ -132,26 +133,45 @@ int main(int argc, char** argv) {
     }
     for (auto& c : cands) { c.run(); c.run(); }
     CK(cudaStreamSynchronize(st));
-    for (int r = 0; r < 15; ++r)
-      for (auto& c : cands) {
-        CK(cudaMemsetAsync(flush, r, flush_bytes, st));
-        CK(cudaEventRecord(e0, st)); c.run(); CK(cudaEventRecord(e1, st));
-        CK(cudaEventSynchronize(e1));
-        float ms; CK(cudaEventElapsedTime(&ms, e0, e1)); c.cold.push_back(ms * 1000);
+    // Each round runs the candidates in a new random order: a run reads
+    // faster when the kernel before it was its own (instruction and constant
+    // caches, session 10), so a fixed order would favour some.
+    const size_t nc = cands.size();
+    std::vector<size_t> order(nc);
+    std::mt19937 rng(12345);
+    for (int r = 0; r < 15; ++r) {
+      for (size_t i = 0; i < nc; ++i) order[i] = i;
+      std::shuffle(order.begin(), order.end(), rng);
+      for (size_t i = 0; i < nc; ++i) {
+        Cand& c = cands[order[i]];
+        // Twice, L2 flushed before each: the second run finds the SMs' caches
+        // (instructions, constants) as the first left them.
+        for (int twice = 0; twice < 2; ++twice) {
+          CK(cudaMemsetAsync(flush, r, flush_bytes, st));
+          CK(cudaEventRecord(e0, st)); c.run(); CK(cudaEventRecord(e1, st));
+          CK(cudaEventSynchronize(e1));
+          float ms; CK(cudaEventElapsedTime(&ms, e0, e1)); (twice ? c.cold2 : c.cold).push_back(ms * 1000);
+        }
       }
-    for (int r = 0; r < 5; ++r)
-      for (auto& c : cands) {
+    }
+    for (int r = 0; r < 5; ++r) {
+      for (size_t i = 0; i < nc; ++i) order[i] = i;
+      std::shuffle(order.begin(), order.end(), rng);
+      for (size_t i = 0; i < nc; ++i) {
+        Cand& c = cands[order[i]];
         CK(cudaEventRecord(e0, st)); for (int i = 0; i < 10; ++i) c.run(); CK(cudaEventRecord(e1, st));
         CK(cudaEventSynchronize(e1));
         float ms; CK(cudaEventElapsedTime(&ms, e0, e1)); c.warm.push_back(ms * 1000 / 10);
       }
+    }
     float ref_c = 0, ref_w = 0;
     for (auto& c : cands) {
-      std::sort(c.cold.begin(), c.cold.end()); std::sort(c.warm.begin(), c.warm.end());
-      const float mc = c.cold[c.cold.size() / 2], mw = c.warm[c.warm.size() / 2];
+      std::sort(c.cold.begin(), c.cold.end()); std::sort(c.cold2.begin(), c.cold2.end());
+      std::sort(c.warm.begin(), c.warm.end());
+      const float mc = c.cold[c.cold.size() / 2], mc2 = c.cold2[c.cold2.size() / 2], mw = c.warm[c.warm.size() / 2];
       if (c.name == "cublas") { ref_c = mc; ref_w = mw; }
-      printf("  %d%d %-22s cold %8.1f (min %8.1f) %.3f  warm %8.1f %.3f  maxdiff %.3g\n", c.ta, c.tb, c.name.c_str(), mc,
-             c.cold[0], mc / ref_c, mw, mw / ref_w, c.md);
+      printf("  %d%d %-22s cold %8.1f (min %8.1f) %.3f  cold again %8.1f  warm %8.1f %.3f  maxdiff %.3g\n", c.ta, c.tb,
+             c.name.c_str(), mc, c.cold[0], mc / ref_c, mc2, mw, mw / ref_w, c.md);
     }
     fflush(stdout);
   }

@@ -3,6 +3,7 @@
 //   TILE_SCHED  coop, ping or streamk (cooperative, ping-pong, cooperative + stream-K)
 //   TILE_M, TILE_N, TILE_CM, TILE_CN   tile and cluster shape
 //   TILE_TA, TILE_TB   A stored [K, M], B stored [N, K]
+//   TILE_TAG   a suffix of the name (A/B of a header change; may be empty)
 // Session 9 (benchmarks/NOTES.md) measured these; ping 128x128 without a
 // cluster became Config::kPing128x128c1.
 #include "cutlass_gemm.cuh"
@@ -10,6 +11,11 @@
 
 using namespace regemm;
 using namespace regemm::cutlass_sm90;
+
+// Everything below has internal linkage: every variant object defines CF,
+// G and run under the same names, and with external linkage the linker keeps
+// one run_gemm_of<G> for all of them (every variant then runs the same kernel).
+namespace {
 namespace cg = cutlass::gemm;
 namespace ce = cutlass::epilogue;
 
@@ -33,12 +39,13 @@ struct CF : TILE_SCHED {
 };
 #define STR2(x) #x
 #define STR(x) STR2(x)
-#define NAME STR(TILE_SCHED) STR(TILE_M) "x" STR(TILE_N) "_c" STR(TILE_CM) STR(TILE_CN)
+#define NAME STR(TILE_SCHED) STR(TILE_M) "x" STR(TILE_N) "_c" STR(TILE_CM) STR(TILE_CN) STR(TILE_TAG)
 
 using G = GemmTypeOf<DType::kBF16, bool(TILE_TA), bool(TILE_TB), CF>;
 
-static Status run(const GemmProblem& p, const GemmOperands& o, const Launch& l) { return run_gemm_of<G>(p, o, l); }
-static const bool kAdded =
+Status run(const GemmProblem& p, const GemmOperands& o, const Launch& l) { return run_gemm_of<G>(p, o, l); }
+const bool kAdded =
     add_variant({NAME, TILE_TA, TILE_TB, &run, int(G::Kernel::SharedStorageSize),
                  int(G::CollectiveMainloop::DispatchPolicy::Stages),
                  int(sizeof(typename G::CollectiveEpilogue::SharedStorage))});
+}  // namespace
