@@ -138,6 +138,25 @@ def test_every_config_kernel(way, dtype, ta, tb, monkeypatch):
     assert _rel(z, z_ref) < TOL[dtype], (way, _rel(z, z_ref))
 
 
+# Every activation in every configuration's fused epilogue: the cheap ones are
+# inline there and the costly ones out-of-line calls (cutlass_epilogue.cuh),
+# two code paths per kernel object.
+@pytest.mark.skipif(not CUTLASS, reason="needs a Hopper GPU and the CUTLASS kernels")
+@pytest.mark.parametrize("way", _CONFIG_WAYS)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("act", rg.ACTIVATIONS)
+def test_every_activation_in_every_config(way, dtype, act, monkeypatch):
+    monkeypatch.setenv("REGEMM_VARIANT", way)
+    cuda.forget_tuned()
+    seed = 8 * _CONFIG_WAYS.index(way) + rg.ACTIVATIONS.index(act)
+    args, kw = _problem(seed, dtype, 200, 264, 136, act=act, kind="per_col", with_c=False)
+    y, z = _forward(args, kw, "per_col", store_z=True)
+    assert set(rg.tuned().values()) == {way}
+    y_ref, z_ref = _reference(args, kw, "per_col")
+    assert _rel(y, y_ref) < TOL[dtype], (way, act, _rel(y, y_ref))
+    assert _rel(z, z_ref) < TOL[dtype], (way, act, _rel(z, z_ref))
+
+
 def _gelu_layer(seed=0, m=192, n=256, k=128):
     args, kw = _problem(seed, "bfloat16", m, n, k, act="gelu", kind="per_col", with_c=False)
     return args[:3], jax.jit(lambda a, b, bias: rg.gemm_bias_act(a, b, bias, act="gelu"))

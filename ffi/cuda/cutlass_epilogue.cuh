@@ -16,7 +16,8 @@
 //   GPU's fast elementary functions (activation.h's FastMath; the outputs are
 //   bf16/f16/TF32-precision), the one place the activation math lives. The
 //   switch sits outside the per-fragment loop, so each case compiles to the
-//   straight-line code of one activation.
+//   straight-line code of one activation; the costly ones are out-of-line
+//   calls (ActFn below says why).
 // - D (and Z) row-major, or column-major for kernels that compute Y^T = B^T A^T
 //   (cutlass_gemm.cuh: the f32 layout TF32 wgmma cannot take directly).
 //
@@ -54,21 +55,52 @@ CUTLASS_HOST_DEVICE void act_fragment(cutlass::Array<T, N>& y, cutlass::Array<T,
   for (int i = 0; i < N; ++i) y[i] = act_fwd<T, FastMath>(A, z[i], slope);
 }
 
+#if defined(__CUDA_ARCH__)
+// The same, as one out-of-line copy per activation and fragment type.
+template <Act A, class T, int N>
+__device__ __noinline__ cutlass::Array<T, N> act_fragment_call(cutlass::Array<T, N> z, T slope) {
+  cutlass::Array<T, N> y;
+  act_fragment<A>(y, z, slope);
+  return y;
+}
+#endif
+
+// The costly activations (gelu, gelu_erf, sigmoid, silu: two MUFU ops and up
+// to a dozen FMAs per element) are calls to act_fragment_call; the cheap ones
+// (relu, leaky_relu, tanh: one or two instructions) are inline. CUTLASS
+// unrolls the epilogue over a tile's fragments (8 of 16 elements per thread
+// for 128x128), so an inlined activation is copied 8 times, for each of the 8
+// cases: 168 KB of code in all, more than an SM's instruction cache holds.
+// Measured with tools/tile_bench (session 10), bf16, cold: gelu_erf
+// 4096x4096x1024 76.5 -> 61.9 us and 8192x1024x4096 257 -> 162 us (ping-pong
+// 128x128), silu 60 -> 56 and 153 -> 138 us; 16384x4096x4096 on the
+// 2x1-cluster ping-pong kernel that wins there, within 1.5%.
 template <class T, int N>
 struct ActFn<cutlass::Array<T, N>> {
   using Arguments = ActArgs;
-  CUTLASS_HOST_DEVICE cutlass::Array<T, N> operator()(cutlass::Array<T, N> const& z, Arguments const& a) const {
-    cutlass::Array<T, N> y;
+  using Frag = cutlass::Array<T, N>;
+
+  template <Act A>
+  static CUTLASS_HOST_DEVICE void costly(Frag& y, Frag const& z, T slope) {
+#if defined(__CUDA_ARCH__)
+    y = act_fragment_call<A>(z, slope);
+#else
+    act_fragment<A>(y, z, slope);
+#endif
+  }
+
+  CUTLASS_HOST_DEVICE Frag operator()(Frag const& z, Arguments const& a) const {
+    Frag y;
     const T slope = T(a.slope);
     switch (Act(a.act)) {  // uniform across the kernel: no divergence
       case Act::kNone: y = z; break;
       case Act::kRelu: act_fragment<Act::kRelu>(y, z, slope); break;
       case Act::kLeakyRelu: act_fragment<Act::kLeakyRelu>(y, z, slope); break;
-      case Act::kGelu: act_fragment<Act::kGelu>(y, z, slope); break;
-      case Act::kGeluErf: act_fragment<Act::kGeluErf>(y, z, slope); break;
-      case Act::kSigmoid: act_fragment<Act::kSigmoid>(y, z, slope); break;
+      case Act::kGelu: costly<Act::kGelu>(y, z, slope); break;
+      case Act::kGeluErf: costly<Act::kGeluErf>(y, z, slope); break;
+      case Act::kSigmoid: costly<Act::kSigmoid>(y, z, slope); break;
       case Act::kTanh: act_fragment<Act::kTanh>(y, z, slope); break;
-      case Act::kSilu: act_fragment<Act::kSilu>(y, z, slope); break;
+      case Act::kSilu: costly<Act::kSilu>(y, z, slope); break;
       default: y = z;
     }
     return y;
