@@ -17,7 +17,7 @@
 //   bf16/f16/TF32-precision), the one place the activation math lives. The
 //   switch sits outside the per-fragment loop, so each case compiles to the
 //   straight-line code of one activation; the costly ones are out-of-line
-//   calls (ActFn below says why).
+//   calls in the tile configurations that say so (ActFn below says why).
 // - D (and Z) row-major, or column-major for kernels that compute Y^T = B^T A^T
 //   (cutlass_gemm.cuh: the f32 layout TF32 wgmma cannot take directly).
 //
@@ -39,7 +39,8 @@ struct ActArgs {
   float slope = 0.01f;
 };
 
-template <class T>
+// Call: the costly activations as out-of-line calls (below).
+template <class T, bool Call>
 struct ActFn {
   using Arguments = ActArgs;
   CUTLASS_HOST_DEVICE T operator()(T const& z, Arguments const& a) const {
@@ -65,25 +66,31 @@ __device__ __noinline__ cutlass::Array<T, N> act_fragment_call(cutlass::Array<T,
 }
 #endif
 
-// The costly activations (gelu, gelu_erf, sigmoid, silu: two MUFU ops and up
-// to a dozen FMAs per element) are calls to act_fragment_call; the cheap ones
-// (relu, leaky_relu, tanh: one or two instructions) are inline. CUTLASS
-// unrolls the epilogue over a tile's fragments (8 of 16 elements per thread
-// for 128x128), so an inlined activation is copied 8 times, for each of the 8
-// cases: 168 KB of code in all, more than an SM's instruction cache holds.
-// Measured with tools/tile_bench (session 10), bf16, cold: gelu_erf
-// 4096x4096x1024 76.5 -> 61.9 us and 8192x1024x4096 257 -> 162 us (ping-pong
-// 128x128), silu 60 -> 56 and 153 -> 138 us; 16384x4096x4096 on the
-// 2x1-cluster ping-pong kernel that wins there, within 1.5%.
-template <class T, int N>
-struct ActFn<cutlass::Array<T, N>> {
+// With Call, the costly activations (gelu, gelu_erf, sigmoid, silu: two MUFU
+// ops and up to a dozen FMAs per element) are calls to act_fragment_call; the
+// cheap ones (relu, leaky_relu, tanh: one or two instructions) are always
+// inline. CUTLASS unrolls the epilogue over a tile's fragments (8 of 16
+// elements per thread for 128x128), so an inlined activation is copied 8
+// times, for each of the 8 cases: 168 KB of code in all, more than an SM's
+// instruction cache holds. That costs where a CTA runs few tiles and so meets
+// the code cold; where it runs many, the code stays cached and the calls cost
+// instead. Hence per tile configuration (ConfigTraits::kActCall). Measured
+// (session 10), bf16 ping-pong 128x128: tools/tile_bench, cold, gelu_erf
+// 4096x4096x1024 76.5 -> 61.9 us and 8192x1024x4096 257 -> 162 us, silu 60 ->
+// 56 and 153 -> 138 us; the benchmark (back to back) at 16384x4096x4096
+// (16 waves) gelu_erf 0.740 -> 0.805 ms, silu 0.760 -> 0.790.
+template <class T, int N, bool Call>
+struct ActFn<cutlass::Array<T, N>, Call> {
   using Arguments = ActArgs;
   using Frag = cutlass::Array<T, N>;
 
   template <Act A>
   static CUTLASS_HOST_DEVICE void costly(Frag& y, Frag const& z, T slope) {
 #if defined(__CUDA_ARCH__)
-    y = act_fragment_call<A>(z, slope);
+    if constexpr (Call)
+      y = act_fragment_call<A>(z, slope);
+    else
+      act_fragment<A>(y, z, slope);
 #else
     act_fragment<A>(y, z, slope);
 #endif
@@ -107,8 +114,16 @@ struct ActFn<cutlass::Array<T, N>> {
   }
 };
 
-// The fusion "operation" tag: what the epilogue computes, free of tile details.
-template <class ElementOutput_, class ElementCompute_, class ElementBias_, class ElementSource_, class LayoutD_>
+// ActFn with the choice made, as the one-parameter template CUTLASS's
+// Sm90Compute takes.
+template <bool Call> struct ActFnOf {
+  template <class T> using Fn = ActFn<T, Call>;
+};
+
+// The fusion "operation" tag: what the epilogue computes, free of tile details
+// (ActCall: see ActFn).
+template <class ElementOutput_, class ElementCompute_, class ElementBias_, class ElementSource_, class LayoutD_,
+          bool ActCall>
 struct RegemmFusion : cutlass::epilogue::fusion::FusionOperation {
   using ElementOutput = ElementOutput_;
   using ElementCompute = ElementCompute_;
@@ -125,7 +140,7 @@ struct RegemmFusion : cutlass::epilogue::fusion::FusionOperation {
   static constexpr bool IsPerRowBiasSupported = true;
   static constexpr bool IsPerColBiasSupported = true;
 
-  using ActivationFn = ActFn<ElementCompute_>;
+  using ActivationFn = ActFn<ElementCompute_, ActCall>;
   static constexpr bool IsEltActSupported = true;
 
   using ElementAux = ElementOutput_;  // Z has Y's type
@@ -142,9 +157,9 @@ using cute::Stride;
 constexpr auto kRound = cutlass::FloatRoundStyle::round_to_nearest;
 
 template <class CtaTile, class EpiTile, int StagesD, class SmemLayoutAtom, class CopyOpR2S, class EO, class EC,
-          class EB, class ES, class StrideZ>
+          class EB, class ES, class StrideZ, bool ActCall>
 using Tree =
-    Sm90EVT<Sm90Compute<ActFn, EO, EC, kRound>,                                      // Y = act(Z)
+    Sm90EVT<Sm90Compute<ActFnOf<ActCall>::template Fn, EO, EC, kRound>,             // Y = act(Z)
       Sm90EVT<Sm90AuxStore<StagesD, EpiTile, EO, kRound, StrideZ, SmemLayoutAtom, CopyOpR2S>,  // store Z (optional)
         Sm90EVT<Sm90Compute<cutlass::homogeneous_multiply_add, EC, EC, kRound>,      // Z = beta * C + X
           Sm90ScalarBroadcast<EC, Stride<_0, _0, int64_t>>,                          //   beta
@@ -164,17 +179,17 @@ using Tree =
 namespace cutlass::epilogue::fusion {
 
 template <int StagesC, int StagesD, int FragmentSize, bool ReuseSmemC, bool DelayTmaStore, class EO, class EC,
-          class EB, class ES, class LayoutD, class CtaTileShapeMNK, class EpilogueTile, class SmemLayoutAtom,
-          class CopyOpR2S>
+          class EB, class ES, class LayoutD, bool ActCall, class CtaTileShapeMNK, class EpilogueTile,
+          class SmemLayoutAtom, class CopyOpR2S>
 struct FusionCallbacks<epilogue::Sm90TmaWarpSpecialized<StagesC, StagesD, FragmentSize, ReuseSmemC, DelayTmaStore>,
-                       regemm::cutlass_sm90::RegemmFusion<EO, EC, EB, ES, LayoutD>, CtaTileShapeMNK, EpilogueTile,
-                       SmemLayoutAtom, CopyOpR2S>
+                       regemm::cutlass_sm90::RegemmFusion<EO, EC, EB, ES, LayoutD, ActCall>, CtaTileShapeMNK,
+                       EpilogueTile, SmemLayoutAtom, CopyOpR2S>
     : regemm::cutlass_sm90::evt::Tree<CtaTileShapeMNK, EpilogueTile, StagesD, SmemLayoutAtom, CopyOpR2S, EO, EC, EB,
-                                      ES, cutlass::gemm::TagToStrideC_t<LayoutD>> {
+                                      ES, cutlass::gemm::TagToStrideC_t<LayoutD>, ActCall> {
   using StrideZ = cutlass::gemm::TagToStrideC_t<LayoutD>;
   using Impl = regemm::cutlass_sm90::evt::Tree<CtaTileShapeMNK, EpilogueTile, StagesD, SmemLayoutAtom, CopyOpR2S,
-                                               EO, EC, EB, ES, StrideZ>;
-  using Operation = regemm::cutlass_sm90::RegemmFusion<EO, EC, EB, ES, LayoutD>;
+                                               EO, EC, EB, ES, StrideZ, ActCall>;
+  using Operation = regemm::cutlass_sm90::RegemmFusion<EO, EC, EB, ES, LayoutD, ActCall>;
 
   // Flat, named arguments; converted to the tree's nested ones below. Biases
   // are in D's coordinates (for a transposed problem the caller swaps them).

@@ -40,8 +40,13 @@ template <> struct Elem<DType::kBF16> { using type = cutlass::bfloat16_t; };
 template <> struct Elem<DType::kF16> { using type = cutlass::half_t; };
 template <> struct Elem<DType::kF32> { using type = float; };  // the builder maps f32 operands to TF32 MMA
 
+// kActCall: the costly activations as out-of-line calls in the epilogue
+// (cutlass_epilogue.cuh, ActFn): for the configurations that run few tiles per
+// CTA (ping128x128c1 is the rule's pick at 1-4 waves; stream-K splits few
+// tiles), not for those that win at many waves.
 template <Config C, int KT> struct ConfigTraits;
 template <int KT> struct ConfigTraits<Config::kCoop128x256, KT> {
+  static constexpr bool kActCall = false;
   using Tile = cute::Shape<cute::_128, cute::_256, cute::Int<KT>>;
   using Cluster = cute::Shape<cute::_2, cute::_1, cute::_1>;
   using Mainloop = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
@@ -49,6 +54,7 @@ template <int KT> struct ConfigTraits<Config::kCoop128x256, KT> {
   using Scheduler = cutlass::gemm::PersistentScheduler;
 };
 template <int KT> struct ConfigTraits<Config::kPing128x128, KT> {
+  static constexpr bool kActCall = false;
   using Tile = cute::Shape<cute::_128, cute::_128, cute::Int<KT>>;
   using Cluster = cute::Shape<cute::_2, cute::_1, cute::_1>;
   using Mainloop = cutlass::gemm::KernelTmaWarpSpecializedPingpong;
@@ -56,9 +62,11 @@ template <int KT> struct ConfigTraits<Config::kPing128x128, KT> {
   using Scheduler = cutlass::gemm::PersistentScheduler;
 };
 template <int KT> struct ConfigTraits<Config::kPing128x128c1, KT> : ConfigTraits<Config::kPing128x128, KT> {
+  static constexpr bool kActCall = true;
   using Cluster = cute::Shape<cute::_1, cute::_1, cute::_1>;
 };
 template <int KT> struct ConfigTraits<Config::kStreamK128x128, KT> {
+  static constexpr bool kActCall = true;
   using Tile = cute::Shape<cute::_128, cute::_128, cute::Int<KT>>;
   using Cluster = cute::Shape<cute::_1, cute::_1, cute::_1>;
   using Mainloop = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
@@ -71,7 +79,7 @@ template <DType D>
 inline constexpr int kTileK = 128 / int(sizeof(typename Elem<D>::type));
 
 // The kernel type for a dtype, the operand layouts and a ConfigTraits-like
-// Cfg (Tile, Cluster, Mainloop, Epilogue, Scheduler).
+// Cfg (Tile, Cluster, Mainloop, Epilogue, Scheduler, kActCall).
 template <DType D, bool TA, bool TB, class Cfg_>
 struct GemmTypeOf {
   using T = typename Elem<D>::type;
@@ -83,7 +91,7 @@ struct GemmTypeOf {
   using LayoutA = std::conditional_t<TA || kSwap, ColMajor, RowMajor>;
   using LayoutB = std::conditional_t<TB || kSwap, ColMajor, RowMajor>;
   using LayoutC = std::conditional_t<kSwap, ColMajor, RowMajor>;
-  using Fusion = RegemmFusion<T, float, T, T, LayoutC>;
+  using Fusion = RegemmFusion<T, float, T, T, LayoutC, Cfg::kActCall>;
 
   // Epilogue subtiles: CUTLASS's default (128x32 cooperative, 64x32 ping-pong).
   // 128x16 would leave the 128x256 bf16 mainloop 4 smem stages instead of 3,

@@ -4,6 +4,7 @@
 //   TILE_M, TILE_N, TILE_CM, TILE_CN   tile and cluster shape
 //   TILE_TA, TILE_TB   A stored [K, M], B stored [N, K]
 //   TILE_TAG   a suffix of the name (A/B of a header change; may be empty)
+//   TILE_ACT_CALL  1: the costly activations as out-of-line calls (ConfigTraits::kActCall)
 // Session 9 (benchmarks/NOTES.md) measured these; ping 128x128 without a
 // cluster became Config::kPing128x128c1.
 #include "cutlass_gemm.cuh"
@@ -33,7 +34,11 @@ struct streamk : coop {
   using Scheduler = cg::StreamKScheduler;
 };
 
+#ifndef TILE_ACT_CALL
+#define TILE_ACT_CALL 0
+#endif
 struct CF : TILE_SCHED {
+  static constexpr bool kActCall = TILE_ACT_CALL;
   using Tile = cute::Shape<cute::Int<TILE_M>, cute::Int<TILE_N>, cute::_64>;
   using Cluster = cute::Shape<cute::Int<TILE_CM>, cute::Int<TILE_CN>, cute::_1>;
 };
