@@ -139,8 +139,8 @@ def test_every_config_kernel(way, dtype, ta, tb, monkeypatch):
 
 
 # Every activation in every configuration's fused epilogue: the cheap ones are
-# inline there and the costly ones out-of-line calls (cutlass_epilogue.cuh),
-# two code paths per kernel object.
+# inline, the costly ones out-of-line calls in the configurations with
+# kActCall and inline in the others (cutlass_epilogue.cuh).
 @pytest.mark.skipif(not CUTLASS, reason="needs a Hopper GPU and the CUTLASS kernels")
 @pytest.mark.parametrize("way", _CONFIG_WAYS)
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
