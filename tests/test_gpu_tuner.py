@@ -121,21 +121,25 @@ def test_every_way_computes_the_op(case, way, monkeypatch):
 _CONFIG_WAYS = [f"cutlass_sm90/{c}" for c in ("coop128x256", "ping128x128", "streamk128x128", "ping128x128c1")]
 
 
+def _check_forced_way(way, seed, dtype, m, n, k, act, with_c, monkeypatch, ta=False, tb=False):
+    """The forward (Y and Z) with REGEMM_VARIANT=way: that way runs, and matches the reference."""
+    monkeypatch.setenv("REGEMM_VARIANT", way)
+    cuda.forget_tuned()
+    args, kw = _problem(seed, dtype, m, n, k, act=act, kind="per_col", with_c=with_c, trans_a=ta, trans_b=tb)
+    y, z = _forward(args, kw, "per_col", store_z=True)
+    ran = set(rg.tuned().values())
+    assert ran == {way}, ran
+    y_ref, z_ref = _reference(args, kw, "per_col")
+    assert _rel(y, y_ref) < TOL[dtype], (way, act, _rel(y, y_ref))
+    assert _rel(z, z_ref) < TOL[dtype], (way, act, _rel(z, z_ref))
+
+
 @pytest.mark.skipif(not CUTLASS, reason="needs a Hopper GPU and the CUTLASS kernels")
 @pytest.mark.parametrize("way", _CONFIG_WAYS)
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
 @pytest.mark.parametrize("ta,tb", [(False, False), (False, True), (True, False), (True, True)])
 def test_every_config_kernel(way, dtype, ta, tb, monkeypatch):
-    monkeypatch.setenv("REGEMM_VARIANT", way)
-    cuda.forget_tuned()
-    args, kw = _problem(_CONFIG_WAYS.index(way), dtype, 264, 200, 136, act="silu", kind="per_col", with_c=True,
-                        trans_a=ta, trans_b=tb)  # fmt: skip
-    y, z = _forward(args, kw, "per_col", store_z=True)
-    ran = set(rg.tuned().values())
-    assert ran == {way}, ran
-    y_ref, z_ref = _reference(args, kw, "per_col")
-    assert _rel(y, y_ref) < TOL[dtype], (way, _rel(y, y_ref))
-    assert _rel(z, z_ref) < TOL[dtype], (way, _rel(z, z_ref))
+    _check_forced_way(way, _CONFIG_WAYS.index(way), dtype, 264, 200, 136, "silu", True, monkeypatch, ta, tb)
 
 
 # Every activation in every configuration's fused epilogue: the cheap ones are
@@ -146,15 +150,8 @@ def test_every_config_kernel(way, dtype, ta, tb, monkeypatch):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("act", rg.ACTIVATIONS)
 def test_every_activation_in_every_config(way, dtype, act, monkeypatch):
-    monkeypatch.setenv("REGEMM_VARIANT", way)
-    cuda.forget_tuned()
     seed = 8 * _CONFIG_WAYS.index(way) + rg.ACTIVATIONS.index(act)
-    args, kw = _problem(seed, dtype, 200, 264, 136, act=act, kind="per_col", with_c=False)
-    y, z = _forward(args, kw, "per_col", store_z=True)
-    assert set(rg.tuned().values()) == {way}
-    y_ref, z_ref = _reference(args, kw, "per_col")
-    assert _rel(y, y_ref) < TOL[dtype], (way, act, _rel(y, y_ref))
-    assert _rel(z, z_ref) < TOL[dtype], (way, act, _rel(z, z_ref))
+    _check_forced_way(way, seed, dtype, 200, 264, 136, act, False, monkeypatch)
 
 
 def _gelu_layer(seed=0, m=192, n=256, k=128):

@@ -152,6 +152,9 @@ struct Choice {
   bool split;
 };
 
+// Activations dear enough that a pass of their own may pay. Not the epilogue's
+// out-of-line set (cutlass_epilogue.cuh), which keeps tanh, one MUFU op, inline:
+// that one is about code size, this one about time.
 bool costly_act(Act a) {
   return a == Act::kGelu || a == Act::kGeluErf || a == Act::kSilu || a == Act::kSigmoid || a == Act::kTanh;
 }
