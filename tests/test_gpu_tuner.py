@@ -175,6 +175,45 @@ def test_times_a_signature_once():
         assert _rel(out, _reference(args, kw, "per_col")[0]) < TOL["bfloat16"]
 
 
+def test_way_variables_are_part_of_the_signature(monkeypatch):
+    """A variable that changes the candidates, set between two calls of one
+    compiled program, gets a signature (and a winner) of its own; unset, the
+    first winner is found again without timing."""
+    monkeypatch.delenv("REGEMM_VARIANT", raising=False)
+    cuda.forget_tuned()
+    (a, b, bias), f = _gelu_layer(m=216)
+    f(a, b, bias).block_until_ready()
+    n0 = cuda.tuning_count()
+    ((plain_sig, plain_label),) = rg.tuned().items()
+    way = "cublas/lt#0"
+    monkeypatch.setenv("REGEMM_VARIANT", way)
+    y = f(a, b, bias)
+    tuned = rg.tuned()
+    assert len(tuned) == 2 and tuned[plain_sig] == plain_label, tuned
+    assert tuned[plain_sig + " REGEMM_VARIANT=" + way] == way, tuned
+    kw = dict(act="gelu", alpha=1.0, beta=0.0, trans_a=False, trans_b=False)
+    assert _rel(y, _reference((a, b, bias, None), kw, "per_col")[0]) < TOL["bfloat16"]
+    monkeypatch.delenv("REGEMM_VARIANT")
+    f(a, b, bias).block_until_ready()
+    assert cuda.tuning_count() == n0 and len(rg.tuned()) == 2
+
+
+def test_host_marks():
+    """The host timeline (host_marks.h): every handler call passes its phases in order, on one clock."""
+    (a, b, bias), f = _gelu_layer(m=224)
+    f(a, b, bias).block_until_ready()  # tuned, outside the record
+    cuda.host_marks(True)
+    f(a, b, bias).block_until_ready()
+    marks = cuda.host_marks(False)
+    names = ["begin", "started", "signed", "way", "launch", "end"]  # HostPhase
+    phases = [names[p] for p, _ in marks]
+    assert phases[:4] == names[:4] and phases[-1] == "end" and "launch" in phases, phases  # a way may launch twice
+    times = [t for _, t in marks]
+    assert times == sorted(times), marks
+    f(a, b, bias).block_until_ready()
+    assert cuda.host_marks(False) == []  # off: nothing recorded
+
+
 def test_tuning_off(monkeypatch):
     monkeypatch.setenv("REGEMM_TUNE", "0")
     cuda.forget_tuned()

@@ -392,6 +392,7 @@ ffi::Error run_lt(const GemmProblem& p, const GemmOperands& o, Way way, int algo
   }
   const ColMajorGemm g = col_major(p, o);
   const Scalars ab(p.alpha, with_c ? p.beta : 0.0, c.t.type == CUDA_R_64F);
+  host_mark(HostPhase::kLaunch);
   REGEMM_CUBLAS_CHECK(cublasLtMatmul(c.dh->lt, plan->op, ab.alpha(), g.a, plan->a, g.b, plan->b, ab.beta(),
                                      with_c ? o.c : g.c, plan->d, g.c, plan->d, &plan->algos[algo], c.workspace,
                                      c.workspace_bytes, rt.stream));
@@ -407,6 +408,7 @@ ffi::Error run_gemm_ex(const GemmProblem& p, const GemmOperands& o, const Call& 
   REGEMM_CUBLAS_CHECK(cublasSetStream(c.dh->handle, rt.stream));
   REGEMM_CUBLAS_CHECK(cublasSetWorkspace(c.dh->handle, c.workspace, c.workspace_bytes));
   const ColMajorGemm g = col_major(p, o);
+  host_mark(HostPhase::kLaunch);
   REGEMM_CUBLAS_CHECK(cublasGemmStridedBatchedEx_64(c.dh->handle, g.op_a, g.op_b, g.m, g.n, g.k, ab.alpha(),
                                                     g.a, c.t.type, g.lda, g.stride_a,
                                                     g.b, c.t.type, g.ldb, g.stride_b, ab.beta(),

@@ -10,6 +10,7 @@
 #include <string>
 
 #include "../regemm/env.h"
+#include "host_marks.h"
 #include "pack.h"
 
 namespace regemm::cutlass_sm90 {
@@ -82,6 +83,7 @@ Status launch(RunFn fn, const GemmProblem& p, const GemmOperands& o, const Launc
   const bool use_c = p.has_c && p.beta != 0.0;
   const bool zero_stride = p.batch > 1 && (p.stride_a == 0 || p.stride_b == 0 || (use_c && p.stride_c == 0));
   const bool stride0_ok = env_on("REGEMM_CUTLASS_TMA_STRIDE0");
+  host_mark(HostPhase::kLaunch);  // the kernel's own setup (CUTLASS arguments, TMA descriptors) and launch follow
   if (!zero_stride || stride0_ok) return fn(p, o, l);
   GemmProblem q = p;
   q.batch = 1;

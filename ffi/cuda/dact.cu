@@ -272,6 +272,7 @@ ffi::Error run_t(const DactProblem& p, const DactOperands& o, CudaRuntime& rt) {
   if (auto e = rt.workspace(bytes, &a.partials); e.failure()) return e;
   // With no tiles at all (M or N is 0) the sums below write zeros.
   if (tiles > 0) {
+    host_mark(HostPhase::kLaunch);
     auto e = vec ? launch_tiles<T, kVec<T>>(a, p.act, unsigned(tiles), rt.stream)
                  : launch_tiles<T, 1>(a, p.act, unsigned(tiles), rt.stream);
     if (e.failure()) return e;

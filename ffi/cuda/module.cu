@@ -61,6 +61,17 @@ NB_MODULE(_regemm_cuda, m) {
   m.def("captured_calls", [] { return regemm::g_captured_calls.load(); });
   // (handler calls, seconds of host time in them) so far (runtime.h).
   m.def("host_time", [] { return nb::make_tuple(regemm::g_host_calls.load(), regemm::g_host_ns.load() * 1e-9); });
+  // The host timeline (runtime.h): [(phase, monotonic ns)] recorded since the
+  // last call, which also clears it and turns recording on or off.
+  m.def("host_marks", [](bool on) {
+    auto& hm = regemm::g_host_marks;
+    std::lock_guard<std::mutex> lock(hm.mu);
+    nb::list out;
+    for (const auto& [phase, ns] : hm.marks) out.append(nb::make_tuple(phase, ns));
+    hm.marks.clear();
+    hm.on.store(on, std::memory_order_relaxed);
+    return out;
+  });
   m.def("kernels", [] { return regemm::kernels_by_op<CudaRuntime>(); });
   // The GEMM tuner (tuner.cu): {signature: "entry/variant"} chosen so far,
   // how many problems were timed, and forgetting the in-process winners.

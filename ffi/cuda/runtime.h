@@ -20,6 +20,7 @@
 
 #include "../regemm/problem.h"
 #include "../regemm/registry.h"
+#include "host_marks.h"
 #include "workspace.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -54,14 +55,18 @@ inline std::atomic<int64_t> g_captured_calls{0};
 // what an uncaptured custom call costs the host beyond XLA's own thunk.
 inline std::atomic<int64_t> g_host_calls{0}, g_host_ns{0};
 
+
 struct CudaRuntime {
   // `workspace`: the call's workspace result (workspace.h).
   CudaRuntime(ffi::AnyBuffer workspace, cudaStream_t s)
-      : stream(s), base_(static_cast<char*>(workspace.untyped_data())), size_(workspace.size_bytes()) {}
+      : stream(s), base_(static_cast<char*>(workspace.untyped_data())), size_(workspace.size_bytes()) {
+    host_mark(HostPhase::kBegin);
+  }
   CudaRuntime(const CudaRuntime&) = delete;
   CudaRuntime& operator=(const CudaRuntime&) = delete;
   ~CudaRuntime() {
     const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0_);
+    host_mark(HostPhase::kEnd);
     g_host_ns.fetch_add(ns.count(), std::memory_order_relaxed);
     g_host_calls.fetch_add(1, std::memory_order_relaxed);
   }
@@ -95,6 +100,7 @@ struct CudaRuntime {
     REGEMM_CUDA_CHECK(cudaStreamIsCapturing(stream, &status));
     capturing = status != cudaStreamCaptureStatusNone;
     if (capturing) g_captured_calls.fetch_add(1, std::memory_order_relaxed);
+    host_mark(HostPhase::kStarted);
     return ffi::Error::Success();
   }
 

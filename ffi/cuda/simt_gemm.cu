@@ -179,6 +179,7 @@ ffi::Error launch(const SimtArgs& args, cudaStream_t stream) {
   a.tiles_n = tiles_n;
   // Batches past the grid's z limit loop inside the kernel.
   const dim3 grid(unsigned(tiles), 1, unsigned(a.batch < 65535 ? a.batch : 65535));
+  host_mark(HostPhase::kLaunch);
   simt_gemm_kernel<T, Cfg, kTransA, kTransB><<<grid, Cfg::kThreads, 0, stream>>>(a);
   REGEMM_LAUNCH_CHECK();
   return ffi::Error::Success();

@@ -6,8 +6,8 @@
 // algorithms, with cuBLASLt's own epilogue or ours as a pass; the SIMT kernel
 // on small problems) is timed on the call's stream, and the fastest is kept
 // for the process (and, with REGEMM_TUNE_CACHE, on disk). Later calls with
-// that signature run the winner for the cost of building the signature and
-// one map lookup (well under a microsecond of host time).
+// that signature run the winner for the cost of one pass over the
+// environment and one hash-map lookup of the problem's fields (Key).
 //
 // Timing: the median device time of `reps` runs, each after a read of a
 // buffer twice the L2 cache (cold inputs, as in a program), all queued behind
@@ -42,11 +42,15 @@
 #include <atomic>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <map>
 #include <mutex>
 #include <sstream>
+#include <tuple>
 #include <unordered_map>
+
+#include <unistd.h>  // environ
 
 #include "../regemm/env.h"
 #include "../regemm/handlers.h"
@@ -58,30 +62,91 @@ namespace {
 
 using GemmEntry = Kernel<GemmProblem, GemmOperands, CudaRuntime>;
 
-// Everything a winner may depend on: the problem, whether the batch shares
-// operands (a loop of GEMMs or one batched call), the buffers' alignment
-// (pack.h: up to 16 bytes, so that a winner carries over from rg.autotune's
-// program to the captured one), and the variables that change the candidates.
-std::string signature(const GemmProblem& p, const GemmOperands& o) {
+// The variables that change the candidate lists (a winner found with one set
+// is not reused without it, nor the other way round), and REGEMM_TUNE.
+constexpr const char* kWayVars[] = {"REGEMM_BACKEND",        "REGEMM_VARIANT",        "REGEMM_CUTLASS",
+                                    "REGEMM_CUTLASS_CONFIG", "REGEMM_CUTLASS_SPLIT",  "REGEMM_CUTLASS_F32_BT",
+                                    "REGEMM_CUTLASS_TMA_STRIDE0"};
+
+// Those of kWayVars that are set and not empty, as " NAME=value" in kWayVars'
+// order, from one pass over the environment. They are read on every call
+// (env.h), and a getenv per variable would scan the whole environment each
+// time (the H100 machine has 89 variables: ~0.15-0.2 us per getenv). With the
+// string signature built on every call, the lookup cost 2.5-13 us of host
+// time per call; with this key 1.0-4.6 (results/h100_host_cost.md).
+std::string way_vars() {
+  constexpr int kN = int(sizeof kWayVars / sizeof kWayVars[0]);
+  const char* value[kN] = {};
+  for (char** e = environ; e && *e; ++e) {
+    if (std::strncmp(*e, "REGEMM_", 7) != 0) continue;
+    for (int i = 0; i < kN; ++i) {
+      const size_t n = std::strlen(kWayVars[i]);
+      if (!value[i] && std::strncmp(*e, kWayVars[i], n) == 0 && (*e)[n] == '=') value[i] = *e + n + 1;  // as getenv: the first
+    }
+  }
+  std::string s;
+  for (int i = 0; i < kN; ++i)
+    if (value[i] && *value[i]) s.append(" ").append(kWayVars[i]).append("=").append(value[i]);
+  return s;
+}
+
+// Everything a winner may depend on: the device, the problem, whether the
+// batch shares operands (a loop of GEMMs or one batched call), the buffers'
+// alignment (pack.h: up to 16 bytes, so that a winner carries over from
+// rg.autotune's program to the captured one), and the variables that change
+// the candidates. Compared field by field on every call; spelled out as a
+// string (signature()) only for a problem seen the first time.
+struct Key {
+  int device;
+  DType dtype;
+  bool ta, tb;
+  int64_t m, n, k, batch;
+  Act act;
+  BiasKind bias;
+  bool use_c, z, exact;
+  uint32_t align;
+  uint32_t shared;  // batch > 1: which of A, B, bias, C have batch stride 0 (bits 3..0)
+  std::string vars;  // way_vars(): usually empty
+  auto tie() const { return std::tie(device, dtype, ta, tb, m, n, k, batch, act, bias, use_c, z, exact, align, shared, vars); }
+  bool operator==(const Key& o) const { return tie() == o.tie(); }
+};
+struct KeyHash {
+  size_t operator()(const Key& k) const {
+    size_t h = std::hash<std::string>()(k.vars);
+    for (int64_t v : {int64_t(k.device), int64_t(k.dtype), int64_t(k.ta), int64_t(k.tb), k.m, k.n, k.k, k.batch,
+                      int64_t(k.act), int64_t(k.bias), int64_t(k.use_c), int64_t(k.z), int64_t(k.exact),
+                      int64_t(k.align), int64_t(k.shared)})
+      h = h * 1000003u ^ std::hash<int64_t>()(v);
+    return h;
+  }
+};
+
+Key key_of(int device, const GemmProblem& p, const GemmOperands& o) {
   const bool use_c = p.has_c && p.beta != 0.0;
   uint32_t al = std::min({alignment(o.a), alignment(o.b), alignment(o.y), alignment(o.z)});
   if (use_c) al = std::min(al, alignment(o.c));
   if (o.bias) al = std::min(al, alignment(o.bias));
+  const uint32_t shared = p.batch > 1 ? (uint32_t(p.stride_a == 0) << 3 | uint32_t(p.stride_b == 0) << 2 |
+                                         uint32_t(p.stride_bias == 0) << 1 | uint32_t(p.stride_c == 0))
+                                      : 0;
+  return Key{device, p.dtype, p.trans_a, p.trans_b, p.m, p.n, p.k, p.batch, p.act, p.bias_kind,
+             use_c, p.store_z, p.exact_f32, al, shared, way_vars()};
+}
+
+// The key as the tuning log, the disk cache and rg.tuned() name it.
+std::string signature(const Key& k) {
   char buf[320];
   std::snprintf(buf, sizeof buf, "%s %c%c m=%lld n=%lld k=%lld batch=%lld act=%s bias=%s c=%d z=%d exact=%d align=%u",
-                kDTypeNames[int(p.dtype)].data(), p.trans_a ? 't' : 'n', p.trans_b ? 't' : 'n', (long long)p.m,
-                (long long)p.n, (long long)p.k, (long long)p.batch, kActNames[int(p.act)].data(),
-                kBiasKindNames[int(p.bias_kind)].data(), int(use_c), int(p.store_z), int(p.exact_f32), al);
+                kDTypeNames[int(k.dtype)].data(), k.ta ? 't' : 'n', k.tb ? 't' : 'n', (long long)k.m,
+                (long long)k.n, (long long)k.k, (long long)k.batch, kActNames[int(k.act)].data(),
+                kBiasKindNames[int(k.bias)].data(), int(k.use_c), int(k.z), int(k.exact), k.align);
   std::string s = buf;
-  if (p.batch > 1) {
-    std::snprintf(buf, sizeof buf, " shared=%d%d%d%d", int(p.stride_a == 0), int(p.stride_b == 0),
-                  int(p.stride_bias == 0), int(p.stride_c == 0));
+  if (k.batch > 1) {
+    std::snprintf(buf, sizeof buf, " shared=%d%d%d%d", int(k.shared >> 3 & 1), int(k.shared >> 2 & 1),
+                  int(k.shared >> 1 & 1), int(k.shared & 1));
     s += buf;
   }
-  for (const char* var : {"REGEMM_BACKEND", "REGEMM_VARIANT", "REGEMM_CUTLASS", "REGEMM_CUTLASS_CONFIG",
-                          "REGEMM_CUTLASS_SPLIT", "REGEMM_CUTLASS_F32_BT", "REGEMM_CUTLASS_TMA_STRIDE0"})
-    if (const char* v = std::getenv(var); v && *v) s += std::string(" ") + var + "=" + v;
-  return s;
+  return s + k.vars;
 }
 
 struct Candidate {
@@ -111,7 +176,11 @@ std::vector<Candidate> candidates(const GemmProblem& p, const GemmOperands& o, C
 // In-process winners, and the optional disk cache.
 // ---------------------------------------------------------------------------
 std::mutex g_mu;
-std::unordered_map<std::string, Candidate> g_winners;  // "<device> <signature>"
+struct Winner {
+  Candidate way;
+  std::string name;  // "<device> <signature>"
+};
+std::unordered_map<Key, Winner, KeyHash> g_winners;
 int64_t g_timings = 0;
 
 struct DiskCache {
@@ -354,12 +423,19 @@ ffi::Error CudaRuntime::run(const GemmEntry& rule, const GemmProblem& p, const G
   if (env_off("REGEMM_TUNE")) return rule.run(p, o, *this);
   int device = 0;
   REGEMM_CUDA_CHECK(cudaGetDevice(&device));
-  const std::string sig = signature(p, o);
-  const std::string key = std::to_string(device) + " " + sig;
+  Key key = key_of(device, p, o);
+  host_mark(HostPhase::kSigned);
+  Candidate known;
+  bool found = false;
   {
     std::lock_guard<std::mutex> lock(g_mu);
-    if (auto it = g_winners.find(key); it != g_winners.end()) return run_candidate(it->second, rule, p, o, *this);
+    if (auto it = g_winners.find(key); it != g_winners.end()) { known = it->second.way; found = true; }
   }
+  if (found) {
+    host_mark(HostPhase::kWayFound);
+    return run_candidate(known, rule, p, o, *this);
+  }
+  const std::string sig = signature(key);
   std::vector<Candidate> cands = candidates(p, o, *this);
   Candidate chosen;
   if (cands.size() == 1) chosen = cands[0];
@@ -390,7 +466,7 @@ ffi::Error CudaRuntime::run(const GemmEntry& rule, const GemmProblem& p, const G
   }
   {
     std::lock_guard<std::mutex> lock(g_mu);
-    g_winners.emplace(key, chosen);
+    g_winners.emplace(std::move(key), Winner{chosen, std::to_string(device) + " " + sig});
   }
   return run_candidate(chosen, rule, p, o, *this);
 }
@@ -400,7 +476,7 @@ namespace tuner {
 std::vector<std::pair<std::string, std::string>> winners() {
   std::lock_guard<std::mutex> lock(g_mu);
   std::vector<std::pair<std::string, std::string>> out;
-  for (const auto& kv : g_winners) out.emplace_back(kv.first, kv.second.label);
+  for (const auto& kv : g_winners) out.emplace_back(kv.second.name, kv.second.way.label);
   return out;
 }
 
