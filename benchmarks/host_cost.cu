@@ -11,6 +11,10 @@
 //     written and 1 ms asleep before each call, median of 40): inside XLA a
 //     handler runs after other thunks' work, and benchmarks/host_timeline.py
 //     read 35-70 us from our CUTLASS launch call where 2. reads at most 13.
+//  4. cublasLtMatmul's host time (the backward's dgrad of 4096x4096x1024) right
+//     after one launch of something else, the GPU busy with it: inside XLA the
+//     silu layer's dgrad call took ~19 us longer before its launch than the
+//     relu layer's, whose forward was a cuBLASLt kernel and not CUTLASS's.
 //
 //   nvcc -std=c++17 -O3 -DNDEBUG --expt-relaxed-constexpr -gencode=arch=compute_90a,code=sm_90a \
 //     -Iffi/cuda benchmarks/host_cost.cu ffi/cuda/cutlass_dispatch.cu ffi/cuda/epilogue_pass.cu \
@@ -238,6 +242,66 @@ void gemm_paths(cudaStream_t s) {
 
 }  // namespace
 
+// Section 4: median host time of the dgrad's cublasLtMatmul issued right after `first`.
+void lt_after(cudaStream_t s) {
+  const int64_t m = 4096, n = 1024, k = 4096;  // the layer: A[m, k] B[k, n]; dgrad gA[m, k] = gZ[m, n] B^T
+  void *a, *b, *bias, *y, *ga, *ws;
+  cudaMalloc(&a, m * k * 2); cudaMalloc(&b, k * n * 2); cudaMalloc(&bias, n * 2);
+  cudaMalloc(&y, m * n * 2); cudaMalloc(&ga, m * k * 2); cudaMalloc(&ws, kWs);
+  cudaMemset(a, 0, m * k * 2); cudaMemset(b, 0, k * n * 2); cudaMemset(bias, 0, n * 2); cudaMemset(y, 0, m * n * 2);
+  const DeviceInfo* dev = sm90_device();
+  RunFn fwd = KernelTable::get().find(DType::kBF16, false, false, Config::kPing128x128c1);
+  if (!dev || !fwd) { printf("no sm_90 device or kernel: section 4 skipped\n"); return; }
+  g_ws = ws;
+  Launch l;
+  l.stream = s; l.dev = *dev; l.alloc = ws_alloc;
+  GemmProblem p;
+  p.dtype = DType::kBF16; p.m = m; p.n = n; p.k = k; p.bias_kind = BiasKind::kPerCol; p.act = Act::kSilu;
+  GemmOperands o{a, b, bias, nullptr, y, nullptr};
+
+  cublasLtHandle_t lt;
+  cublasLtCreate(&lt);
+  cublasLtMatmulDesc_t op;
+  cublasLtMatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F);
+  cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;  // column-major gA^T[k, m] = B^T... as cuBLAS sees B [n, k]
+  cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta);
+  cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb);
+  cublasLtMatrixLayout_t la, lb, lc;
+  cublasLtMatrixLayoutCreate(&la, CUDA_R_16BF, n, k, n);
+  cublasLtMatrixLayoutCreate(&lb, CUDA_R_16BF, n, m, n);
+  cublasLtMatrixLayoutCreate(&lc, CUDA_R_16BF, k, m, k);
+  cublasLtMatmulPreference_t pref;
+  cublasLtMatmulPreferenceCreate(&pref);
+  size_t wsb = size_t(32) << 20;
+  cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &wsb, sizeof wsb);
+  cublasLtMatmulHeuristicResult_t heur;
+  int found = 0;
+  cublasLtMatmulAlgoGetHeuristic(lt, op, la, lb, lc, lc, pref, 1, &heur, &found);
+  if (!found) { printf("no cuBLASLt algorithm: section 4 skipped\n"); return; }
+  const float alpha = 1.0f, beta = 0.0f;
+  char* wsl = static_cast<char*>(ws) + (size_t(32) << 20);
+  auto dgrad = [&] { cublasLtMatmul(lt, op, &alpha, b, la, y, lb, &beta, ga, lc, ga, lc, &heur.algo, wsl, wsb, s); };
+  auto after = [&](const char* what, auto first) {
+    std::vector<double> us(40);
+    for (double& u : us) {
+      cudaDeviceSynchronize();
+      first();
+      const auto t0 = std::chrono::steady_clock::now();
+      dgrad();
+      u = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
+    }
+    cudaDeviceSynchronize();
+    std::sort(us.begin(), us.end());
+    printf("%8.2f us  (min %.2f, max %.2f)  cublasLtMatmul (dgrad 4096x4096x1024) right after %s%s\n", us[20], us[0],
+           us[39], what, cudaGetLastError() == cudaSuccess ? "" : "  CUDA error");
+  };
+  for (int round = 0; round < 2; ++round) {
+    after("nothing (GPU idle)", [] {});
+    after("the CUTLASS forward (ping128x128c1, silu)", [&] { fwd(p, o, l); });
+    after("another cublasLtMatmul (the same dgrad)", dgrad);
+  }
+}
+
 int main() {
   cudaStream_t s;
   cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
@@ -246,5 +310,6 @@ int main() {
   cuda_calls(s, buf);
   cold_calls(s);
   gemm_paths(s);
+  lt_after(s);
   return 0;
 }
