@@ -73,6 +73,22 @@ def fwd_bwd(f):
     return g
 
 
+def layer_program(impl, act, mode, m, k, n, dtype_name, seed=0):
+    """(jitted program, its arguments): one layer of `impl` ("regemm" or "xla"), forward or
+    forward+backward, on fresh random inputs (trace.py and host_timeline.py time these)."""
+    dtype, precision = DTYPES[dtype_name]
+    ks = jax.random.split(jax.random.PRNGKey(seed), 4)
+    x = jax.random.normal(ks[0], (m, k), dtype)
+    w = (jax.random.normal(ks[1], (k, n)) / np.sqrt(k)).astype(dtype)
+    b = (0.1 * jax.random.normal(ks[2], (n,))).astype(dtype)
+    gy = jax.random.normal(ks[3], (m, n), dtype)
+    layer = (regemm_layer if impl == "regemm" else xla_layer)(act)
+    if mode == "fwd":
+        return jax.jit(lambda x, w, b: layer(x, w, b, precision)), (x, w, b)
+    g = fwd_bwd(layer)
+    return jax.jit(lambda x, w, b, gy: g(x, w, b, gy, precision)), (x, w, b, gy)
+
+
 def residual_bytes(f, x, w, b, precision):
     """Bytes saved for the backward beyond the arguments (x, w, b)."""
     res = saved_residuals(lambda x, w, b: f(x, w, b, precision), x, w, b)

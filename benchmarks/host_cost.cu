@@ -158,6 +158,40 @@ void cold_calls(cudaStream_t s) {
   time_cold("kernel with 1 KiB of parameters <<<132, 128>>>", [&] { big_params_kernel<<<132, 128, 0, s>>>(BigParams{}); });
 }
 
+// The backward's dgrad as one cuBLASLt matmul, its plan (descriptors and the
+// heuristic's first algorithm) made once: Y[m, k] = gZ[m, n] W[k, n]^T, i.e.
+// column-major Y^T = W^T-as-stored x gZ^T.
+struct LtDgrad {
+  cublasLtHandle_t lt = nullptr;
+  cublasLtMatmulDesc_t op = nullptr;
+  cublasLtMatrixLayout_t la = nullptr, lb = nullptr, lc = nullptr;
+  cublasLtMatmulHeuristicResult_t heur = {};
+  size_t ws_bytes = size_t(32) << 20;
+  bool found = false;
+  LtDgrad(int64_t m, int64_t n, int64_t k) {
+    cublasLtCreate(&lt);
+    cublasLtMatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F);
+    cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
+    cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta);
+    cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb);
+    cublasLtMatrixLayoutCreate(&la, CUDA_R_16BF, n, k, n);
+    cublasLtMatrixLayoutCreate(&lb, CUDA_R_16BF, n, m, n);
+    cublasLtMatrixLayoutCreate(&lc, CUDA_R_16BF, k, m, k);
+    cublasLtMatmulPreference_t pref;
+    cublasLtMatmulPreferenceCreate(&pref);
+    cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_bytes, sizeof ws_bytes);
+    int n_found = 0;
+    cublasLtMatmulAlgoGetHeuristic(lt, op, la, lb, lc, lc, pref, 1, &heur, &n_found);
+    cublasLtMatmulPreferenceDestroy(pref);
+    found = n_found > 0;
+  }
+  // W: w [k, n], gZ: gz [m, n], the result: out [m, k]; ws: ws_bytes of workspace.
+  void run(const void* w, const void* gz, void* out, void* ws, cudaStream_t s) const {
+    const float alpha = 1.0f, beta = 0.0f;
+    cublasLtMatmul(lt, op, &alpha, w, la, gz, lb, &beta, out, lc, out, lc, &heur.algo, ws, ws_bytes, s);
+  }
+};
+
 void gemm_paths(cudaStream_t s) {
   const int64_t m = 128, n = 1024, k = 1024;
   void *a, *b, *bias, *y, *z;
@@ -208,35 +242,17 @@ void gemm_paths(cudaStream_t s) {
     gemm_ex();
   });
 
-  cublasLtHandle_t lt;
-  cublasLtCreate(&lt);
-  cublasLtMatmulDesc_t op;
-  cublasLtMatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F);
-  cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
-  cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta);
-  cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb);
-  cublasLtMatrixLayout_t la, lb, lc;
-  cublasLtMatrixLayoutCreate(&la, CUDA_R_16BF, n, k, n);
-  cublasLtMatrixLayoutCreate(&lb, CUDA_R_16BF, n, m, n);
-  cublasLtMatrixLayoutCreate(&lc, CUDA_R_16BF, k, m, k);
+  const LtDgrad lt(m, n, k);
+  if (!lt.found) { printf("no cuBLASLt algorithm\n"); return; }
+  time_it(200, "cublasLtMatmul, plan made once (dgrad 128x1024x1024)", [&] { lt.run(b, y, z, g_ws, s); });
+  time_cold("cublasLtMatmul, plan made once (dgrad 128x1024x1024)", [&] { lt.run(b, y, z, g_ws, s); });
   cublasLtMatmulPreference_t pref;
   cublasLtMatmulPreferenceCreate(&pref);
-  size_t wsb = size_t(32) << 20;
-  cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &wsb, sizeof wsb);
-  cublasLtMatmulHeuristicResult_t heur;
-  int found = 0;
-  cublasLtMatmulAlgoGetHeuristic(lt, op, la, lb, lc, lc, pref, 1, &heur, &found);
-  if (!found) { printf("no cuBLASLt algorithm\n"); return; }
-  time_it(200, "cublasLtMatmul, plan made once (dgrad 128x1024x1024)", [&] {
-    cublasLtMatmul(lt, op, &alpha, b, la, y, lb, &beta, z, lc, z, lc, &heur.algo, g_ws, wsb, s);
-  });
-  time_cold("cublasLtMatmul, plan made once (dgrad 128x1024x1024)", [&] {
-    cublasLtMatmul(lt, op, &alpha, b, la, y, lb, &beta, z, lc, z, lc, &heur.algo, g_ws, wsb, s);
-  });
+  cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &lt.ws_bytes, sizeof lt.ws_bytes);
   time_it(200, "  cublasLtMatmulAlgoGetHeuristic alone", [&] {
     int f = 0;
     cublasLtMatmulHeuristicResult_t r;
-    cublasLtMatmulAlgoGetHeuristic(lt, op, la, lb, lc, lc, pref, 1, &r, &f);
+    cublasLtMatmulAlgoGetHeuristic(lt.lt, lt.op, lt.la, lt.lb, lt.lc, lt.lc, pref, 1, &r, &f);
   });
 }
 
@@ -259,28 +275,10 @@ void lt_after(cudaStream_t s) {
   p.dtype = DType::kBF16; p.m = m; p.n = n; p.k = k; p.bias_kind = BiasKind::kPerCol; p.act = Act::kSilu;
   GemmOperands o{a, b, bias, nullptr, y, nullptr};
 
-  cublasLtHandle_t lt;
-  cublasLtCreate(&lt);
-  cublasLtMatmulDesc_t op;
-  cublasLtMatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F);
-  cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;  // column-major gA^T[k, m] = B^T... as cuBLAS sees B [n, k]
-  cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta);
-  cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb);
-  cublasLtMatrixLayout_t la, lb, lc;
-  cublasLtMatrixLayoutCreate(&la, CUDA_R_16BF, n, k, n);
-  cublasLtMatrixLayoutCreate(&lb, CUDA_R_16BF, n, m, n);
-  cublasLtMatrixLayoutCreate(&lc, CUDA_R_16BF, k, m, k);
-  cublasLtMatmulPreference_t pref;
-  cublasLtMatmulPreferenceCreate(&pref);
-  size_t wsb = size_t(32) << 20;
-  cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &wsb, sizeof wsb);
-  cublasLtMatmulHeuristicResult_t heur;
-  int found = 0;
-  cublasLtMatmulAlgoGetHeuristic(lt, op, la, lb, lc, lc, pref, 1, &heur, &found);
-  if (!found) { printf("no cuBLASLt algorithm: section 4 skipped\n"); return; }
-  const float alpha = 1.0f, beta = 0.0f;
-  char* wsl = static_cast<char*>(ws) + (size_t(32) << 20);
-  auto dgrad = [&] { cublasLtMatmul(lt, op, &alpha, b, la, y, lb, &beta, ga, lc, ga, lc, &heur.algo, wsl, wsb, s); };
+  const LtDgrad lt(m, n, k);
+  if (!lt.found) { printf("no cuBLASLt algorithm: section 4 skipped\n"); return; }
+  char* wsl = static_cast<char*>(ws) + lt.ws_bytes;  // the CUTLASS forward's workspace comes before
+  auto dgrad = [&] { lt.run(b, y, ga, wsl, s); };
   auto after = [&](const char* what, auto first) {
     std::vector<double> us(40);
     for (double& u : us) {

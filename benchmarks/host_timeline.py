@@ -24,7 +24,7 @@ import jax
 import numpy as np
 
 import jax_regemm as rg
-from bench_gpu import DTYPES, fwd_bwd, regemm_layer, xla_layer
+from bench_gpu import layer_program
 
 PHASES = ("begin", "started", "signed", "way", "launch", "end")  # runtime.h: HostPhase
 
@@ -94,21 +94,10 @@ def main():
     p.add_argument("--pause", type=float, default=10e-3, help="seconds idle before each run (bench_gpu: 10 ms)")
     args = p.parse_args()
     m, k, n = (int(v) for v in args.shape.split(":"))
-    dtype, precision = DTYPES[args.dtype]
-    ks = jax.random.split(jax.random.PRNGKey(0), 4)
-    x = jax.random.normal(ks[0], (m, k), dtype)
-    w = (jax.random.normal(ks[1], (k, n)) / np.sqrt(k)).astype(dtype)
-    b = (0.1 * jax.random.normal(ks[2], (n,))).astype(dtype)
-    gy = jax.random.normal(ks[3], (m, n), dtype)
     cuda = rg._ffi._regemm_cuda
     for act in args.acts.split(","):
         for impl in ("regemm", "xla"):
-            layer = (regemm_layer if impl == "regemm" else xla_layer)(act)
-            if args.mode == "fwd":
-                fn, fargs = jax.jit(lambda x, w, b, f=layer: f(x, w, b, precision)), (x, w, b)
-            else:
-                g = fwd_bwd(layer)
-                fn, fargs = jax.jit(lambda x, w, b, gy, g=g: g(x, w, b, gy, precision)), (x, w, b, gy)
+            fn, fargs = layer_program(impl, act, args.mode, m, k, n, args.dtype)
             rows = timeline(fn, fargs, args.runs, args.pause, cuda)
             report(f"{impl} {args.shape} {args.dtype} {act} {args.mode}, pause {args.pause * 1e3:.0f} ms", rows)
 

@@ -16,11 +16,9 @@ import tempfile
 import time
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 
 import jax_regemm as rg
-from bench_gpu import DTYPES, fwd_bwd, regemm_layer, xla_layer
+from bench_gpu import layer_program
 
 
 def trace(fn, args, repeats=5, pause_s=2e-3):
@@ -71,19 +69,8 @@ def main():
     p.add_argument("--host", action="store_true", help="also the host's time per event name (thunks, CUDA calls)")
     args = p.parse_args()
     m, k, n = (int(v) for v in args.shape.split(":"))
-    dtype, precision = DTYPES[args.dtype]
-    ks = jax.random.split(jax.random.PRNGKey(0), 4)
-    x = jax.random.normal(ks[0], (m, k), dtype)
-    w = (jax.random.normal(ks[1], (k, n)) / np.sqrt(k)).astype(dtype)
-    b = (0.1 * jax.random.normal(ks[2], (n,))).astype(dtype)
-    gy = jax.random.normal(ks[3], (m, n), dtype)
     for impl in args.impl.split(","):
-        layer = (regemm_layer if impl == "regemm" else xla_layer)(args.act)
-        if args.mode == "fwd":
-            fn, fargs = jax.jit(lambda x, w, b: layer(x, w, b, precision)), (x, w, b)
-        else:
-            g = fwd_bwd(layer)
-            fn, fargs = jax.jit(lambda x, w, b, gy: g(x, w, b, gy, precision)), (x, w, b, gy)
+        fn, fargs = layer_program(impl, args.act, args.mode, m, k, n, args.dtype)
         run, host, timeline = trace(fn, fargs)
         if args.host:  # back-to-back calls, no sync between: host-bound for small programs
             jax.block_until_ready(fn(*fargs))

@@ -61,7 +61,7 @@ NB_MODULE(_regemm_cuda, m) {
   m.def("captured_calls", [] { return regemm::g_captured_calls.load(); });
   // (handler calls, seconds of host time in them) so far (runtime.h).
   m.def("host_time", [] { return nb::make_tuple(regemm::g_host_calls.load(), regemm::g_host_ns.load() * 1e-9); });
-  // The host timeline (runtime.h): [(phase, monotonic ns)] recorded since the
+  // The host timeline (host_marks.h): [(phase, monotonic ns)] recorded since the
   // last call, which also clears it and turns recording on or off.
   m.def("host_marks", [](bool on) {
     auto& hm = regemm::g_host_marks;

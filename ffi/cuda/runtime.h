@@ -55,7 +55,6 @@ inline std::atomic<int64_t> g_captured_calls{0};
 // what an uncaptured custom call costs the host beyond XLA's own thunk.
 inline std::atomic<int64_t> g_host_calls{0}, g_host_ns{0};
 
-
 struct CudaRuntime {
   // `workspace`: the call's workspace result (workspace.h).
   CudaRuntime(ffi::AnyBuffer workspace, cudaStream_t s)

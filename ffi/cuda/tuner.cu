@@ -62,8 +62,8 @@ namespace {
 
 using GemmEntry = Kernel<GemmProblem, GemmOperands, CudaRuntime>;
 
-// The variables that change the candidate lists (a winner found with one set
-// is not reused without it, nor the other way round), and REGEMM_TUNE.
+// The variables that change the candidate lists: a winner found with one of
+// them set is not reused without it, nor the other way round.
 constexpr const char* kWayVars[] = {"REGEMM_BACKEND",        "REGEMM_VARIANT",        "REGEMM_CUTLASS",
                                     "REGEMM_CUTLASS_CONFIG", "REGEMM_CUTLASS_SPLIT",  "REGEMM_CUTLASS_F32_BT",
                                     "REGEMM_CUTLASS_TMA_STRIDE0"};
