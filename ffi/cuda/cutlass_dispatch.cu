@@ -114,11 +114,14 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 //   kernel, which has nothing to split there (1.30 vs 1.52 ping, 1.56 coop);
 // - f32 (TF32): ping-pong otherwise (the 128x256 TF32 tile gets 3 smem stages
 //   of 32 K-elements and trails by 30-45%);
-// - 16-bit, K in [512, 2048] with several waves of 128x128 tiles (8192x1024x4096):
-//   ping-pong, whose epilogue overlaps the other warpgroup's MMAs (1.02 vs 1.33);
-// - 16-bit, 1-4 waves of 128x128 tiles (4096x4096x1024): ping-pong without a
-//   cluster (tools/tile_bench, session 9, cold, x cuBLAS: 1.10 vs 1.26 cooperative,
-//   1.29 ping-pong 2x1);
+// - 16-bit, 1-4 waves of 128x128 tiles (4096x4096x1024), or K in [512, 2048]
+//   (8192x1024x4096): ping-pong without a cluster, whose epilogue overlaps the
+//   other warpgroup's MMAs (tools/tile_bench, session 9, cold, x cuBLAS at
+//   4096x4096x1024: 1.10 vs 1.26 cooperative, 1.29 ping-pong 2x1). With K in
+//   [512, 2048] and 4+ waves it beats the 2x1 cluster too (benchmarks/NOTES.md,
+//   session 12, forced, bf16 forward: 8192x1024x4096 and 16384x1024x1024, none,
+//   leaky_relu, silu, gelu_erf: 0.97-1.59x as fast, none at 8192x1024x4096 the
+//   one loss);
 // - otherwise (long K and many tiles: 16384x4096x4096): cooperative 128x256.
 Config rule_config(const GemmProblem& p, const DeviceInfo& dev, DType t, bool ta, bool tb) {
   const auto& table = KernelTable::get();
@@ -130,9 +133,9 @@ Config rule_config(const GemmProblem& p, const DeviceInfo& dev, DType t, bool ta
   Config c = Config::kCoop128x256;
   if (t128 <= sms || p.k <= 256)
     c = Config::kStreamK128x128;
-  else if (t == DType::kF32 || (p.k >= 512 && p.k <= 2048 && t128 >= 4 * sms))
+  else if (t == DType::kF32)
     c = Config::kPing128x128;
-  else if (t128 < 4 * sms)
+  else if (t128 < 4 * sms || (p.k >= 512 && p.k <= 2048))
     c = Config::kPing128x128c1;
   for (int i = 0; i < kNumConfigs && !table.find(t, ta, tb, c); ++i) c = Config(i);
   return c;
