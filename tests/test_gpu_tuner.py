@@ -132,6 +132,7 @@ def _check_forced_way(way, seed, dtype, m, n, k, act, with_c, monkeypatch, ta=Fa
     y_ref, z_ref = _reference(args, kw, "per_col")
     assert _rel(y, y_ref) < TOL[dtype], (way, act, _rel(y, y_ref))
     assert _rel(z, z_ref) < TOL[dtype], (way, act, _rel(z, z_ref))
+    return np.asarray(y), np.asarray(z)
 
 
 @pytest.mark.skipif(not CUTLASS, reason="needs a Hopper GPU and the CUTLASS kernels")
@@ -152,6 +153,27 @@ def test_every_config_kernel(way, dtype, ta, tb, monkeypatch):
 def test_every_activation_in_every_config(way, dtype, act, monkeypatch):
     seed = 8 * _CONFIG_WAYS.index(way) + rg.ACTIVATIONS.index(act)
     _check_forced_way(way, seed, dtype, 200, 264, 136, act, False, monkeypatch)
+
+
+# The kernels of one costly activation (ffi/cuda/cutlass_kernels.h, kOneActs:
+# ping128x128c1, 16-bit dtypes, every layout): each runs where its activation
+# is asked for, matches the reference, and gives the bits of the
+# every-activation kernel (REGEMM_CUTLASS_ONE_ACT=0), which computes the same
+# expressions as out-of-line calls.
+@pytest.mark.skipif(not CUTLASS, reason="needs a Hopper GPU and the CUTLASS kernels")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("ta,tb", [(False, False), (False, True), (True, False), (True, True)])
+@pytest.mark.parametrize("act", ["gelu", "gelu_erf", "sigmoid", "silu"])
+def test_one_act_kernels(dtype, ta, tb, act, monkeypatch):
+    way, seed = "cutlass_sm90/ping128x128c1", 40 + rg.ACTIVATIONS.index(act)
+    n0 = cuda.cutlass_one_act_launches()
+    y1, z1 = _check_forced_way(way, seed, dtype, 264, 392, 136, act, True, monkeypatch, ta, tb)
+    assert cuda.cutlass_one_act_launches() == n0 + 1
+    monkeypatch.setenv("REGEMM_CUTLASS_ONE_ACT", "0")
+    y0, z0 = _check_forced_way(way, seed, dtype, 264, 392, 136, act, True, monkeypatch, ta, tb)
+    assert cuda.cutlass_one_act_launches() == n0 + 1
+    np.testing.assert_array_equal(y1, y0)
+    np.testing.assert_array_equal(z1, z0)
 
 
 def _gelu_layer(seed=0, m=192, n=256, k=128):

@@ -9,7 +9,9 @@
 #
 # One kernel per translation unit (each takes about a minute: build in
 # parallel), generated from cutlass_inst.cu.in for every dtype x A layout x B
-# layout x tile configuration. REGEMM_CUTLASS_DTYPES limits the dtypes (a
+# layout x tile configuration, plus, for the 16-bit dtypes, ping128x128c1
+# kernels of one costly activation each (cutlass_kernels.h, kOneActs; the
+# same lists as cutlass_prebuild.sh). REGEMM_CUTLASS_DTYPES limits the dtypes (a
 # quicker developer build); REGEMM_CUTLASS_PREBUILT names a directory of
 # kernel objects built earlier with the same sources and flags (<name>.o),
 # linked instead of compiled: the device machine's builds are on the clock.
@@ -89,6 +91,10 @@ set(_regemm_cutlass_short_kPing128x128c1 ping1)
 set(_regemm_cutlass_enum_bf16 kBF16)
 set(_regemm_cutlass_enum_f16 kF16)
 set(_regemm_cutlass_enum_f32 kF32)
+# Kernels of one activation: ping128x128c1, 16-bit dtypes (kOneActs).
+set(_regemm_cutlass_one_act_configs kPing128x128c1)
+set(_regemm_cutlass_one_act_dtypes bf16 f16)
+set(_regemm_cutlass_one_acts gelu:kGelu gelu_erf:kGeluErf sigmoid:kSigmoid silu:kSilu)
 set(_regemm_cutlass_prebuilt_objs "")
 foreach(_dt IN LISTS REGEMM_CUTLASS_DTYPES)
   if(NOT DEFINED _regemm_cutlass_enum_${_dt})
@@ -103,13 +109,28 @@ foreach(_dt IN LISTS REGEMM_CUTLASS_DTYPES)
         set(REGEMM_CFG ${_cfg})
         string(SUBSTRING ${_ta} 0 1 _a)
         string(SUBSTRING ${_tb} 0 1 _b)
-        set(_name "cutlass_${_dt}_${_a}${_b}_${_regemm_cutlass_short_${_cfg}}")
-        if(_regemm_cutlass_use_prebuilt AND EXISTS "${REGEMM_CUTLASS_PREBUILT}/${_name}.o")
-          list(APPEND _regemm_cutlass_prebuilt_objs "${REGEMM_CUTLASS_PREBUILT}/${_name}.o")
-        else()
-          configure_file("${_regemm_cutlass_src}/cutlass_inst.cu.in" "${CMAKE_CURRENT_BINARY_DIR}/cutlass_inst/${_name}.cu" @ONLY)
-          target_sources(regemm_cutlass PRIVATE "${CMAKE_CURRENT_BINARY_DIR}/cutlass_inst/${_name}.cu")
+        set(_acts "any:")
+        if(_cfg IN_LIST _regemm_cutlass_one_act_configs AND _dt IN_LIST _regemm_cutlass_one_act_dtypes)
+          list(APPEND _acts ${_regemm_cutlass_one_acts})
         endif()
+        foreach(_act IN LISTS _acts)
+          string(REPLACE ":" ";" _act "${_act}")
+          list(GET _act 0 _act_name)
+          list(GET _act 1 _act_enum)
+          set(_name "cutlass_${_dt}_${_a}${_b}_${_regemm_cutlass_short_${_cfg}}")
+          if(_act_name STREQUAL "any")
+            set(REGEMM_ACT kAnyAct)
+          else()
+            set(REGEMM_ACT "int(Act::${_act_enum})")
+            string(APPEND _name "_${_act_name}")
+          endif()
+          if(_regemm_cutlass_use_prebuilt AND EXISTS "${REGEMM_CUTLASS_PREBUILT}/${_name}.o")
+            list(APPEND _regemm_cutlass_prebuilt_objs "${REGEMM_CUTLASS_PREBUILT}/${_name}.o")
+          else()
+            configure_file("${_regemm_cutlass_src}/cutlass_inst.cu.in" "${CMAKE_CURRENT_BINARY_DIR}/cutlass_inst/${_name}.cu" @ONLY)
+            target_sources(regemm_cutlass PRIVATE "${CMAKE_CURRENT_BINARY_DIR}/cutlass_inst/${_name}.cu")
+          endif()
+        endforeach()
       endforeach()
     endforeach()
   endforeach()

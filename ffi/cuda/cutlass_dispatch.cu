@@ -171,16 +171,28 @@ int forced_split() {
   return env_off("REGEMM_CUTLASS_SPLIT") ? 0 : 1;
 }
 
+// The kernel for p in configuration c: one compiled for p's activation where
+// built (cutlass_kernels.h, kOneActs; REGEMM_CUTLASS_ONE_ACT=0: never), else
+// the every-activation one. Null if c was not built for p's dtype and layout.
+RunFn kernel_for(const GemmProblem& p, Config c) {
+  const auto& table = KernelTable::get();
+  RunFn any = table.find(p.dtype, p.trans_a, p.trans_b, c);
+  if (KernelTable::act_slot(int(p.act)) == 0 || env_off("REGEMM_CUTLASS_ONE_ACT")) return any;
+  RunFn own = table.find(p.dtype, p.trans_a, p.trans_b, c, p.act);
+  if (own != any) g_one_act_launches.fetch_add(1, std::memory_order_relaxed);
+  return own;
+}
+
 // One run of the GEMM with a choice: fused, or Z (bias and C included) into
 // Y's place and then the activation as a pass over it, which also writes Z.
-Status execute(RunFn fn, Choice ch, const GemmProblem& p, const GemmOperands& o, const Launch& l) {
-  if (!ch.split || !costly_act(p.act)) return launch(fn, p, o, l);
+Status execute(Choice ch, const GemmProblem& p, const GemmOperands& o, const Launch& l) {
+  if (!ch.split || !costly_act(p.act)) return launch(kernel_for(p, ch.config), p, o, l);
   GemmProblem q = p;
   q.act = Act::kNone;
   q.store_z = false;
   GemmOperands oq = o;
   oq.z = nullptr;
-  if (Status st = launch(fn, q, oq, l); !st.ok()) return st;
+  if (Status st = launch(kernel_for(q, ch.config), q, oq, l); !st.ok()) return st;
   if (const char* err = epilogue_pass(p, o, /*with_bias_c=*/false, /*fast_math=*/true, l.stream))
     return {"activation pass launch", err};
   if (l.enqueued) ++*l.enqueued;
@@ -247,14 +259,14 @@ struct TransposeB {
 };
 
 Status run_config(const GemmProblem& p, const GemmOperands& o, const Launch& l, Choice ch) {
-  RunFn fn = KernelTable::get().find(p.dtype, p.trans_a, p.trans_b, ch.config);
-  if (!fn) return {"dispatch", "no kernel built for this dtype and layout"};
-  Status st = execute(fn, ch, p, o, l);
+  if (!KernelTable::get().find(p.dtype, p.trans_a, p.trans_b, ch.config))
+    return {"dispatch", "no kernel built for this dtype and layout"};
+  Status st = execute(ch, p, o, l);
   if (!st.ok() && ch.config == Config::kStreamK128x128 && std::strcmp(st.stage, "workspace") == 0) {
     // Stream-K's workspace did not fit (workspace.h bounds it): the small
     // problems stream-K wins go to ping-pong (second best there in run 1).
-    if (RunFn alt = KernelTable::get().find(p.dtype, p.trans_a, p.trans_b, Config::kPing128x128))
-      return execute(alt, {Config::kPing128x128, ch.split}, p, o, l);
+    if (KernelTable::get().find(p.dtype, p.trans_a, p.trans_b, Config::kPing128x128))
+      return execute({Config::kPing128x128, ch.split}, p, o, l);
   }
   return st;
 }

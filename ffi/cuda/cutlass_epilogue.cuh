@@ -17,7 +17,8 @@
 //   bf16/f16/TF32-precision), the one place the activation math lives. The
 //   switch sits outside the per-fragment loop, so each case compiles to the
 //   straight-line code of one activation; the costly ones are out-of-line
-//   calls in the tile configurations that say so (ActFn below says why).
+//   calls in the tile configurations that say so (ActFn below says why). A
+//   kernel compiled for one activation (OneAct >= 0) has no switch.
 // - D (and Z) row-major, or column-major for kernels that compute Y^T = B^T A^T
 //   (cutlass_gemm.cuh: the f32 layout TF32 wgmma cannot take directly).
 //
@@ -29,6 +30,7 @@
 #include "cutlass/epilogue/fusion/sm90_callbacks_tma_warpspecialized.hpp"
 
 #include "../regemm/activation.h"
+#include "cutlass_kernels.h"
 
 namespace regemm::cutlass_sm90 {
 
@@ -39,12 +41,14 @@ struct ActArgs {
   float slope = 0.01f;
 };
 
-// Call: the costly activations as out-of-line calls (below).
-template <class T, bool Call>
+// Call: the costly activations as out-of-line calls (below). OneAct: kAnyAct
+// (cutlass_kernels.h), or the one activation computed, whatever a.act says
+// (run_gemm refuses problems with another).
+template <class T, bool Call, int OneAct>
 struct ActFn {
   using Arguments = ActArgs;
   CUTLASS_HOST_DEVICE T operator()(T const& z, Arguments const& a) const {
-    return act_fwd<T, FastMath>(Act(a.act), z, T(a.slope));
+    return act_fwd<T, FastMath>(OneAct == kAnyAct ? Act(a.act) : Act(OneAct), z, T(a.slope));
   }
 };
 
@@ -69,61 +73,68 @@ __device__ __noinline__ cutlass::Array<T, N> act_fragment_call(cutlass::Array<T,
 // With Call, the costly activations (gelu, gelu_erf, sigmoid, silu: two MUFU
 // ops and up to a dozen FMAs per element) are calls to act_fragment_call; the
 // cheap ones (relu, leaky_relu, tanh: one or two instructions) are always
-// inline. CUTLASS unrolls the epilogue over a tile's fragments (8 of 16
-// elements per thread for 128x128), so an inlined activation is copied 8
-// times, for each of the 8 cases: 168 KB of code in all, more than an SM's
-// instruction cache holds. That costs where a CTA runs few tiles and so meets
-// the code cold; where it runs many, the code stays cached and the calls cost
-// instead. Hence per tile configuration (ConfigTraits::kActCall). Measured
-// (session 10), bf16 ping-pong 128x128: tools/tile_bench, cold, gelu_erf
-// 4096x4096x1024 76.5 -> 61.9 us and 8192x1024x4096 257 -> 162 us, silu 60 ->
-// 56 and 153 -> 138 us; the benchmark (back to back) at 16384x4096x4096
-// (16 waves) gelu_erf 0.740 -> 0.805 ms, silu 0.760 -> 0.790.
-template <class T, int N, bool Call>
-struct ActFn<cutlass::Array<T, N>, Call> {
+// inline. CUTLASS unrolls the epilogue over a tile's subtiles (8 subtiles of
+// 64x32 for ping-pong 128x128, a 16-element fragment per thread each), so an
+// inlined activation is copied 8 times, for each of the 8 cases: 168 KB of
+// code in all, more than an SM's instruction cache holds. That costs where a
+// CTA runs few tiles and so meets the code cold; where it runs many, the
+// calls cost instead. Hence per tile configuration (ConfigTraits::kActCall).
+// Measured (session 10), bf16 ping-pong 128x128: tools/tile_bench, cold,
+// gelu_erf 4096x4096x1024 76.5 -> 61.9 us and 8192x1024x4096 257 -> 162 us,
+// silu 60 -> 56 and 153 -> 138 us; the benchmark (back to back) at
+// 16384x4096x4096 (16 waves) gelu_erf 0.740 -> 0.805 ms, silu 0.760 -> 0.790.
+// A kernel of one activation has neither cost: its one copy is inline
+// (session 13, tile_bench, ping-pong 128x128 1x1, cold, 8192x1024x4096:
+// sigmoid 147 -> 120 us, silu 151 -> 125, gelu 153 -> 138; gelu_erf 172 either
+// way, until FastMath's ex2/rcp flushed subnormals: 132, activation.h).
+template <class T, int N, bool Call, int OneAct>
+struct ActFn<cutlass::Array<T, N>, Call, OneAct> {
   using Arguments = ActArgs;
   using Frag = cutlass::Array<T, N>;
 
   template <Act A>
   static CUTLASS_HOST_DEVICE void costly(Frag& y, Frag const& z, T slope) {
 #if defined(__CUDA_ARCH__)
-    if constexpr (Call)
+    if constexpr (Call) {
       y = act_fragment_call<A>(z, slope);
-    else
-      act_fragment<A>(y, z, slope);
-#else
-    act_fragment<A>(y, z, slope);
+      return;
+    }
 #endif
+    act_fragment<A>(y, z, slope);
   }
 
   CUTLASS_HOST_DEVICE Frag operator()(Frag const& z, Arguments const& a) const {
     Frag y;
     const T slope = T(a.slope);
-    switch (Act(a.act)) {  // uniform across the kernel: no divergence
-      case Act::kNone: y = z; break;
-      case Act::kRelu: act_fragment<Act::kRelu>(y, z, slope); break;
-      case Act::kLeakyRelu: act_fragment<Act::kLeakyRelu>(y, z, slope); break;
-      case Act::kGelu: costly<Act::kGelu>(y, z, slope); break;
-      case Act::kGeluErf: costly<Act::kGeluErf>(y, z, slope); break;
-      case Act::kSigmoid: costly<Act::kSigmoid>(y, z, slope); break;
-      case Act::kTanh: act_fragment<Act::kTanh>(y, z, slope); break;
-      case Act::kSilu: costly<Act::kSilu>(y, z, slope); break;
-      default: y = z;
+    if constexpr (OneAct != kAnyAct) {
+      act_fragment<Act(OneAct)>(y, z, slope);
+    } else {
+      switch (Act(a.act)) {  // uniform across the kernel: no divergence
+        case Act::kNone: y = z; break;
+        case Act::kRelu: act_fragment<Act::kRelu>(y, z, slope); break;
+        case Act::kLeakyRelu: act_fragment<Act::kLeakyRelu>(y, z, slope); break;
+        case Act::kGelu: costly<Act::kGelu>(y, z, slope); break;
+        case Act::kGeluErf: costly<Act::kGeluErf>(y, z, slope); break;
+        case Act::kSigmoid: costly<Act::kSigmoid>(y, z, slope); break;
+        case Act::kTanh: act_fragment<Act::kTanh>(y, z, slope); break;
+        case Act::kSilu: costly<Act::kSilu>(y, z, slope); break;
+        default: y = z;
+      }
     }
     return y;
   }
 };
 
-// ActFn with the choice made, as the one-parameter template CUTLASS's
+// ActFn with the choices made, as the one-parameter template CUTLASS's
 // Sm90Compute takes.
-template <bool Call> struct ActFnOf {
-  template <class T> using Fn = ActFn<T, Call>;
+template <bool Call, int OneAct> struct ActFnOf {
+  template <class T> using Fn = ActFn<T, Call, OneAct>;
 };
 
 // The fusion "operation" tag: what the epilogue computes, free of tile details
-// (ActCall: see ActFn).
+// (ActCall, OneAct: see ActFn).
 template <class ElementOutput_, class ElementCompute_, class ElementBias_, class ElementSource_, class LayoutD_,
-          bool ActCall>
+          bool ActCall, int OneAct>
 struct RegemmFusion : cutlass::epilogue::fusion::FusionOperation {
   using ElementOutput = ElementOutput_;
   using ElementCompute = ElementCompute_;
@@ -140,7 +151,7 @@ struct RegemmFusion : cutlass::epilogue::fusion::FusionOperation {
   static constexpr bool IsPerRowBiasSupported = true;
   static constexpr bool IsPerColBiasSupported = true;
 
-  using ActivationFn = ActFn<ElementCompute_, ActCall>;
+  using ActivationFn = ActFn<ElementCompute_, ActCall, OneAct>;
   static constexpr bool IsEltActSupported = true;
 
   using ElementAux = ElementOutput_;  // Z has Y's type
@@ -157,9 +168,9 @@ using cute::Stride;
 constexpr auto kRound = cutlass::FloatRoundStyle::round_to_nearest;
 
 template <class CtaTile, class EpiTile, int StagesD, class SmemLayoutAtom, class CopyOpR2S, class EO, class EC,
-          class EB, class ES, class StrideZ, bool ActCall>
+          class EB, class ES, class StrideZ, bool ActCall, int OneAct>
 using Tree =
-    Sm90EVT<Sm90Compute<ActFnOf<ActCall>::template Fn, EO, EC, kRound>,             // Y = act(Z)
+    Sm90EVT<Sm90Compute<ActFnOf<ActCall, OneAct>::template Fn, EO, EC, kRound>,     // Y = act(Z)
       Sm90EVT<Sm90AuxStore<StagesD, EpiTile, EO, kRound, StrideZ, SmemLayoutAtom, CopyOpR2S>,  // store Z (optional)
         Sm90EVT<Sm90Compute<cutlass::homogeneous_multiply_add, EC, EC, kRound>,      // Z = beta * C + X
           Sm90ScalarBroadcast<EC, Stride<_0, _0, int64_t>>,                          //   beta
@@ -179,17 +190,17 @@ using Tree =
 namespace cutlass::epilogue::fusion {
 
 template <int StagesC, int StagesD, int FragmentSize, bool ReuseSmemC, bool DelayTmaStore, class EO, class EC,
-          class EB, class ES, class LayoutD, bool ActCall, class CtaTileShapeMNK, class EpilogueTile,
+          class EB, class ES, class LayoutD, bool ActCall, int OneAct, class CtaTileShapeMNK, class EpilogueTile,
           class SmemLayoutAtom, class CopyOpR2S>
 struct FusionCallbacks<epilogue::Sm90TmaWarpSpecialized<StagesC, StagesD, FragmentSize, ReuseSmemC, DelayTmaStore>,
-                       regemm::cutlass_sm90::RegemmFusion<EO, EC, EB, ES, LayoutD, ActCall>, CtaTileShapeMNK,
+                       regemm::cutlass_sm90::RegemmFusion<EO, EC, EB, ES, LayoutD, ActCall, OneAct>, CtaTileShapeMNK,
                        EpilogueTile, SmemLayoutAtom, CopyOpR2S>
     : regemm::cutlass_sm90::evt::Tree<CtaTileShapeMNK, EpilogueTile, StagesD, SmemLayoutAtom, CopyOpR2S, EO, EC, EB,
-                                      ES, cutlass::gemm::TagToStrideC_t<LayoutD>, ActCall> {
+                                      ES, cutlass::gemm::TagToStrideC_t<LayoutD>, ActCall, OneAct> {
   using StrideZ = cutlass::gemm::TagToStrideC_t<LayoutD>;
   using Impl = regemm::cutlass_sm90::evt::Tree<CtaTileShapeMNK, EpilogueTile, StagesD, SmemLayoutAtom, CopyOpR2S,
-                                               EO, EC, EB, ES, StrideZ, ActCall>;
-  using Operation = regemm::cutlass_sm90::RegemmFusion<EO, EC, EB, ES, LayoutD, ActCall>;
+                                               EO, EC, EB, ES, StrideZ, ActCall, OneAct>;
+  using Operation = regemm::cutlass_sm90::RegemmFusion<EO, EC, EB, ES, LayoutD, ActCall, OneAct>;
 
   // Flat, named arguments; converted to the tree's nested ones below. Biases
   // are in D's coordinates (for a transposed problem the caller swaps them).

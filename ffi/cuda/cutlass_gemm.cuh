@@ -78,9 +78,10 @@ template <int KT> struct ConfigTraits<Config::kStreamK128x128, KT> {
 template <DType D>
 inline constexpr int kTileK = 128 / int(sizeof(typename Elem<D>::type));
 
-// The kernel type for a dtype, the operand layouts and a ConfigTraits-like
-// Cfg (Tile, Cluster, Mainloop, Epilogue, Scheduler, kActCall).
-template <DType D, bool TA, bool TB, class Cfg_>
+// The kernel type for a dtype, the operand layouts, a ConfigTraits-like Cfg
+// (Tile, Cluster, Mainloop, Epilogue, Scheduler, kActCall) and the
+// activations its epilogue computes (cutlass_kernels.h: kAnyAct or one).
+template <DType D, bool TA, bool TB, class Cfg_, int OneAct = kAnyAct>
 struct GemmTypeOf {
   using T = typename Elem<D>::type;
   using Cfg = Cfg_;
@@ -91,7 +92,8 @@ struct GemmTypeOf {
   using LayoutA = std::conditional_t<TA || kSwap, ColMajor, RowMajor>;
   using LayoutB = std::conditional_t<TB || kSwap, ColMajor, RowMajor>;
   using LayoutC = std::conditional_t<kSwap, ColMajor, RowMajor>;
-  using Fusion = RegemmFusion<T, float, T, T, LayoutC, Cfg::kActCall>;
+  static constexpr int kOneAct = OneAct;
+  using Fusion = RegemmFusion<T, float, T, T, LayoutC, Cfg::kActCall, OneAct>;
 
   // Epilogue subtiles: CUTLASS's default (128x32 cooperative, 64x32 ping-pong).
   // 128x16 would leave the 128x256 bf16 mainloop 4 smem stages instead of 3,
@@ -114,8 +116,8 @@ struct GemmTypeOf {
                                                       CollectiveEpilogue, typename Cfg::Scheduler>;
 };
 
-template <DType D, bool TA, bool TB, Config C>
-using GemmType = GemmTypeOf<D, TA, TB, ConfigTraits<C, kTileK<D>>>;
+template <DType D, bool TA, bool TB, Config C, int OneAct = kAnyAct>
+using GemmType = GemmTypeOf<D, TA, TB, ConfigTraits<C, kTileK<D>>, OneAct>;
 
 // A rank-3 CuTe stride (rows, cols, batch) with one static unit mode: the
 // leading dimension goes to whichever of the first two modes is dynamic.
@@ -181,6 +183,7 @@ template <class G>
 Status run_gemm_of(const GemmProblem& p, const GemmOperands& o, const Launch& l) {
   using T = typename G::T;
   using K = typename G::Kernel;
+  if (G::kOneAct != kAnyAct && int(p.act) != G::kOneAct) return {"dispatch", "kernel built for another activation"};
 
   const int64_t mn = p.m * p.n;
   const bool one = p.batch == 1;
@@ -259,9 +262,9 @@ Status run_gemm_of(const GemmProblem& p, const GemmOperands& o, const Launch& l)
   return launch_kernel<K>(params, l.stream);
 }
 
-template <DType D, bool TA, bool TB, Config C>
+template <DType D, bool TA, bool TB, Config C, int A>
 Status run_gemm(const GemmProblem& p, const GemmOperands& o, const Launch& l) {
-  return run_gemm_of<GemmType<D, TA, TB, C>>(p, o, l);
+  return run_gemm_of<GemmType<D, TA, TB, C, A>>(p, o, l);
 }
 
 }  // namespace regemm::cutlass_sm90

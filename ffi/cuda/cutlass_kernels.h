@@ -12,6 +12,7 @@
 
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 
@@ -69,7 +70,24 @@ struct Launch {
 
 using RunFn = Status (*)(const GemmProblem&, const GemmOperands&, const Launch&);
 
-// dtype x trans_a x trans_b x config -> kernel (dtype: bf16, f16, f32 as tf32).
+// The activations a kernel's epilogue computes: every one, chosen at run time
+// (kAnyAct), or one, fixed at compile time (an Act value). A kernel of its
+// own pays for the costly activations where the epilogue competes with the
+// other warpgroup's MMAs (ping-pong at many waves): inline and alone, the
+// activation is straight-line code of its own size; in the every-activation
+// kernel it is an out-of-line call, or one of eight inlined copies
+// (cutlass_epilogue.cuh, ActFn). Built for ping128x128c1 in 16-bit dtypes
+// (cutlass.cmake and cutlass_prebuild.sh: keep their lists equal to this one).
+inline constexpr int kAnyAct = -1;
+inline constexpr Act kOneActs[] = {Act::kGelu, Act::kGeluErf, Act::kSigmoid, Act::kSilu};
+inline constexpr int kNumOneActs = int(sizeof kOneActs / sizeof kOneActs[0]);
+// Launches of such a kernel so far (a test hook: the module's
+// cutlass_one_act_launches()).
+inline std::atomic<int64_t> g_one_act_launches{0};
+
+// dtype x trans_a x trans_b x config x activations -> kernel (dtype: bf16,
+// f16, f32 as tf32; activations: slot 0 the every-activation kernel, slot
+// 1 + i kOneActs[i]'s own).
 class KernelTable {
  public:
   static KernelTable& get() {
@@ -79,17 +97,35 @@ class KernelTable {
   static int dtype_slot(DType t) {
     return t == DType::kBF16 ? 0 : t == DType::kF16 ? 1 : t == DType::kF32 ? 2 : -1;
   }
+  static int act_slot(int act) {
+    for (int i = 0; i < kNumOneActs; ++i)
+      if (act == int(kOneActs[i])) return 1 + i;
+    return 0;
+  }
+  // The every-activation kernel.
   RunFn find(DType t, bool ta, bool tb, Config c) const {
     const int d = dtype_slot(t);
-    return d < 0 ? nullptr : fns_[d][ta][tb][int(c)];
+    return d < 0 ? nullptr : fns_[d][ta][tb][int(c)][0];
   }
-  void set(DType t, bool ta, bool tb, Config c, RunFn fn) { fns_[dtype_slot(t)][ta][tb][int(c)] = fn; }
+  // The kernel for activation `act`: its own where built, else the
+  // every-activation one.
+  RunFn find(DType t, bool ta, bool tb, Config c, Act act) const {
+    const int d = dtype_slot(t);
+    if (d < 0) return nullptr;
+    RunFn own = fns_[d][ta][tb][int(c)][act_slot(int(act))];
+    return own ? own : fns_[d][ta][tb][int(c)][0];
+  }
+  void set(DType t, bool ta, bool tb, Config c, int act, RunFn fn) {
+    const int a = act == kAnyAct ? 0 : act_slot(act);
+    if (a > 0 || act == kAnyAct) fns_[dtype_slot(t)][ta][tb][int(c)][a] = fn;
+  }
 
  private:
-  RunFn fns_[3][2][2][kNumConfigs] = {};
+  RunFn fns_[3][2][2][kNumConfigs][1 + kNumOneActs] = {};
 };
 
-template <DType D, bool TA, bool TB, Config C>
+// A: kAnyAct, or the one activation the kernel computes (it refuses others).
+template <DType D, bool TA, bool TB, Config C, int A>
 Status run_gemm(const GemmProblem& p, const GemmOperands& o, const Launch& l);
 
 }  // namespace regemm::cutlass_sm90

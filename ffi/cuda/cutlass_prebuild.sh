@@ -18,10 +18,18 @@ FLAGS="-std=c++17 -O3 -DNDEBUG --expt-relaxed-constexpr -gencode=arch=compute_90
 
 declare -A ENUM=([bf16]=kBF16 [f16]=kF16 [f32]=kF32)
 declare -A CFG=([coop]=kCoop128x256 [ping]=kPing128x128 [streamk]=kStreamK128x128 [ping1]=kPing128x128c1)
+# Kernels of one activation (cutlass_kernels.h, kOneActs): ping1, 16-bit dtypes.
+declare -A ACT=([gelu]=kGelu [gelu_erf]=kGeluErf [sigmoid]=kSigmoid [silu]=kSilu)
 for dt in $DTYPES; do for ta in false true; do for tb in false true; do for c in coop ping streamk ping1; do
-  n=cutlass_${dt}_${ta:0:1}${tb:0:1}_$c
-  sed -e "s/@REGEMM_DT@/${ENUM[$dt]}/g; s/@REGEMM_TA@/$ta/g; s/@REGEMM_TB@/$tb/g; s/@REGEMM_CFG@/${CFG[$c]}/g" \
-    ffi/cuda/cutlass_inst.cu.in > "$OUTDIR/src/$n.cu"
+  acts=any
+  [ "$c" = ping1 ] && [ "$dt" != f32 ] && acts="any gelu gelu_erf sigmoid silu"
+  for act in $acts; do
+    n=cutlass_${dt}_${ta:0:1}${tb:0:1}_$c
+    a=kAnyAct
+    [ "$act" = any ] || { n=${n}_$act; a="int(Act::${ACT[$act]})"; }
+    sed -e "s/@REGEMM_DT@/${ENUM[$dt]}/g; s/@REGEMM_TA@/$ta/g; s/@REGEMM_TB@/$tb/g; s/@REGEMM_CFG@/${CFG[$c]}/g" \
+        -e "s/@REGEMM_ACT@/$a/g" ffi/cuda/cutlass_inst.cu.in > "$OUTDIR/src/$n.cu"
+  done
 done; done; done; done
 
 export FLAGS ROOT OUTDIR

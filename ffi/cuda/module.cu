@@ -13,6 +13,7 @@
 
 #include "../regemm/handlers.h"
 #include "../regemm/module_util.h"
+#include "cutlass_kernels.h"
 #include "runtime.h"
 #include "tuner.h"
 #include "workspace.h"
@@ -59,6 +60,9 @@ NB_MODULE(_regemm_cuda, m) {
   });
   // Kernel calls so far that ran under CUDA-graph capture (a test hook).
   m.def("captured_calls", [] { return regemm::g_captured_calls.load(); });
+  // Launches of the CUTLASS kernels compiled for one activation (a test hook;
+  // cutlass_kernels.h, which needs no CUTLASS headers: 0 in a build without them).
+  m.def("cutlass_one_act_launches", [] { return regemm::cutlass_sm90::g_one_act_launches.load(); });
   // (handler calls, seconds of host time in them) so far (runtime.h).
   m.def("host_time", [] { return nb::make_tuple(regemm::g_host_calls.load(), regemm::g_host_ns.load() * 1e-9); });
   // The host timeline (host_marks.h): [(phase, monotonic ns)] recorded since the

@@ -62,11 +62,12 @@ namespace {
 
 using GemmEntry = Kernel<GemmProblem, GemmOperands, CudaRuntime>;
 
-// The variables that change the candidate lists: a winner found with one of
-// them set is not reused without it, nor the other way round.
-constexpr const char* kWayVars[] = {"REGEMM_BACKEND",        "REGEMM_VARIANT",        "REGEMM_CUTLASS",
-                                    "REGEMM_CUTLASS_CONFIG", "REGEMM_CUTLASS_SPLIT",  "REGEMM_CUTLASS_F32_BT",
-                                    "REGEMM_CUTLASS_TMA_STRIDE0"};
+// The variables that change the candidate lists or what a candidate runs: a
+// winner found with one of them set is not reused without it, nor the other
+// way round.
+constexpr const char* kWayVars[] = {"REGEMM_BACKEND",         "REGEMM_VARIANT",         "REGEMM_CUTLASS",
+                                    "REGEMM_CUTLASS_CONFIG",  "REGEMM_CUTLASS_SPLIT",   "REGEMM_CUTLASS_F32_BT",
+                                    "REGEMM_CUTLASS_TMA_STRIDE0", "REGEMM_CUTLASS_ONE_ACT"};
 
 // Those of kWayVars that are set and not empty, as " NAME=value" in kWayVars'
 // order, from one pass over the environment. They are read on every call

@@ -5,6 +5,8 @@
 //   TILE_TA, TILE_TB   A stored [K, M], B stored [N, K]
 //   TILE_TAG   a suffix of the name (A/B of a header change; may be empty)
 //   TILE_ACT_CALL  1: the costly activations as out-of-line calls (ConfigTraits::kActCall)
+//   TILE_ONE_ACT   a regemm::Act value: the kernel of that activation alone
+//                  (cutlass_kernels.h, kOneActs); default every activation
 // Session 9 (benchmarks/NOTES.md) measured these; ping 128x128 without a
 // cluster became Config::kPing128x128c1.
 #include "cutlass_gemm.cuh"
@@ -42,11 +44,14 @@ struct CF : TILE_SCHED {
   using Tile = cute::Shape<cute::Int<TILE_M>, cute::Int<TILE_N>, cute::_64>;
   using Cluster = cute::Shape<cute::Int<TILE_CM>, cute::Int<TILE_CN>, cute::_1>;
 };
+#ifndef TILE_ONE_ACT
+#define TILE_ONE_ACT kAnyAct
+#endif
 #define STR2(x) #x
 #define STR(x) STR2(x)
 #define NAME STR(TILE_SCHED) STR(TILE_M) "x" STR(TILE_N) "_c" STR(TILE_CM) STR(TILE_CN) STR(TILE_TAG)
 
-using G = GemmTypeOf<DType::kBF16, bool(TILE_TA), bool(TILE_TB), CF>;
+using G = GemmTypeOf<DType::kBF16, bool(TILE_TA), bool(TILE_TB), CF, int(TILE_ONE_ACT)>;
 
 Status run(const GemmProblem& p, const GemmOperands& o, const Launch& l) { return run_gemm_of<G>(p, o, l); }
 const bool kAdded =
