@@ -1,7 +1,9 @@
 """A small workload that runs every CUDA kernel of the backend once, for
 compute-sanitizer (memcheck, racecheck, initcheck): tiny shapes, all dtypes,
 both SIMT tiles, every bias kind of the backward epilogue, the cuBLAS GEMMs
-(every transpose), batches, K = 0 and M = 0.
+(every transpose), the CUTLASS kernels on a Hopper GPU (16-byte rows: in
+"plain" mode the tuner runs every configuration, the kernels of one activation
+included), batches, K = 0 and M = 0.
 
     python tools/sanitize_workload.py plain    # XLA command buffers off
     python tools/sanitize_workload.py graphs   # every regemm call captured into a CUDA graph
@@ -76,6 +78,9 @@ def main():
     case(21, 45, 13, jnp.float32, "leaky_relu", "scalar", save="recompute")
     # The 128 x 128 tile (needs >= 256 of them), ragged edges.
     case(2050, 2049, 9, jnp.float32, "relu", "per_col", with_c=True)
+    # CUTLASS (rows of 16 bytes; skipped by its can_run elsewhere): a costly activation in each 16-bit dtype.
+    case(264, 392, 136, jnp.bfloat16, "sigmoid", "per_col", with_c=True)
+    case(200, 136, 72, jnp.float16, "gelu_erf", "per_row", trans_a=True, trans_b=True)
     # Batches: strided (grid.z), shared B (stride 0).
     case(17, 33, 8, jnp.bfloat16, "tanh", "per_col", trans_a=True, batch=(3,))
     w = rand((8, 12), jnp.float32)
