@@ -110,3 +110,39 @@ def test_sizes(shape):
 @pytest.mark.parametrize("bias_kind", ["per_row", "per_col", "scalar"])
 def test_batched(bias_kind):
     _case(jnp.bfloat16, 136, 200, 96, "tanh", bias_kind, has_c=True, store_z=True, trans_a=True, trans_b=False, batch=(3,))
+
+
+@pytest.mark.parametrize("dtype,act", [(jnp.bfloat16, "sigmoid"), (jnp.float16, "gelu_erf")])
+def test_grad_program_reads_y(dtype, act):
+    """Y inside a grad program: the loss squares it, so the gradients depend on
+    Y's values (a loss linear in Y, as in tests/test_gpu.py, needs only Z). Y,
+    the loss and every gradient against the reference. These are the sanitize
+    workload's 16-bit cases, whose Y initcheck reports as never written there
+    (tools/sanitize_workload.py)."""
+    m, n, k = 264, 392, 136
+    keys = jax.random.split(jax.random.PRNGKey(5), 4)
+    a = jax.random.normal(keys[0], (m, k)).astype(dtype)
+    b = (jax.random.normal(keys[1], (k, n)) / np.sqrt(k)).astype(dtype)
+    bias = (0.5 * jax.random.normal(keys[2], (n,))).astype(dtype)
+    c = jax.random.normal(keys[3], (m, n)).astype(dtype)
+    common = dict(act=act, alpha=1.5, beta=0.5, bias_kind="per_col")
+
+    def value_and_grad(f):
+        def loss(a, b, bias, c):
+            y = f(a, b, bias, c)
+            return jnp.sum(y.astype(jnp.float32) ** 2), y
+
+        return jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True)
+
+    ours = jax.jit(value_and_grad(lambda a, b, bias, c: rg.gemm_bias_act(a, b, bias, c=c, save="z", **common)))
+    theirs = value_and_grad(
+        lambda a, b, bias, c: rg.reference.gemm_bias_act(a, b, bias, c=c, precision="highest", **common))
+    up = lambda x: x.astype(jnp.float32)
+    (loss, y), grads = ours(a, b, bias, c)
+    (loss_ref, y_ref), grads_ref = theirs(up(a), up(b), up(bias), up(c))
+    tol = TOL[jnp.dtype(dtype).name]
+    assert _rel(y, y_ref) < tol
+    assert _rel(loss, loss_ref) < tol
+    for name, g, g_ref in zip(("gA", "gB", "gBias", "gC"), grads, grads_ref):
+        assert g.dtype == dtype and g.shape == g_ref.shape, name
+        assert _rel(g, g_ref) < tol, name

@@ -7,6 +7,15 @@ included), batches, K = 0 and M = 0.
 
     python tools/sanitize_workload.py plain    # XLA command buffers off
     python tools/sanitize_workload.py graphs   # every regemm call captured into a CUDA graph
+    python tools/sanitize_workload.py plain initcheck   # the tool it runs under (default memcheck)
+
+Under racecheck and initcheck every GEMM runs on the SIMT kernel
+(REGEMM_BACKEND=cuda_simt): the sm90 GEMMs of CUTLASS and cuBLASLt store their
+output through the copy engine (TMA), which those two tools do not see
+(tools/tma_sanitizer_repro.cu; tools/gpu_check.sh runs it). Everything else,
+the backward epilogue on 16-byte rows of bf16 and f16 included, runs under all
+three tools; the epilogue pass that reads the TMA GEMMs' output runs alone in
+tools/sanitize_pass.cu.
 
 In "graphs" mode every handler runs under CUDA-graph capture, with the
 workspace XLA allocates for the call (ffi/cuda/workspace.h) used by the
@@ -19,6 +28,9 @@ import os
 import sys
 
 MODE = sys.argv[1] if len(sys.argv) > 1 else "plain"
+TOOL = sys.argv[2] if len(sys.argv) > 2 else "memcheck"
+if TOOL in ("racecheck", "initcheck"):
+    os.environ["REGEMM_BACKEND"] = "cuda_simt"
 _FLAGS = {
     "plain": "--xla_gpu_enable_command_buffer=",
     "graphs": "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1",
@@ -78,7 +90,8 @@ def main():
     case(21, 45, 13, jnp.float32, "leaky_relu", "scalar", save="recompute")
     # The 128 x 128 tile (needs >= 256 of them), ragged edges.
     case(2050, 2049, 9, jnp.float32, "relu", "per_col", with_c=True)
-    # CUTLASS (rows of 16 bytes; skipped by its can_run elsewhere): a costly activation in each 16-bit dtype.
+    # CUTLASS (rows of 16 bytes; skipped by its can_run elsewhere; SIMT under racecheck and initcheck):
+    # a costly activation in each 16-bit dtype; the backward epilogue's 16-byte vectors.
     case(264, 392, 136, jnp.bfloat16, "sigmoid", "per_col", with_c=True)
     case(200, 136, 72, jnp.float16, "gelu_erf", "per_row", trans_a=True, trans_b=True)
     # Batches: strided (grid.z), shared B (stride 0).
@@ -91,7 +104,7 @@ def main():
     case(6, 5, 0, jnp.float32, "gelu", "per_col", with_c=True)
     case(0, 5, 3, jnp.float32, "gelu", "per_col")
     jax.effects_barrier()
-    print(f"workload ok ({MODE})")
+    print(f"workload ok ({MODE})" + (f", GEMMs on {os.environ['REGEMM_BACKEND']}" if "REGEMM_BACKEND" in os.environ else ""))
 
 
 if __name__ == "__main__":

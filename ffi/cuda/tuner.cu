@@ -337,28 +337,40 @@ struct ColdCache {
   }
 };
 
-// The fastest candidate, or the rule's when none could be timed. A
+// A CUDA error left in the runtime after a way failed (a sticky one: an
+// illegal address or a launch failure, the context is lost; or a launch error
+// not yet read). It is the call's error, not a reason to try another way: a
+// way that declines a problem (no room in the workspace, an alignment, an
+// unsupported layout) fails without one.
+ffi::Error cuda_fault(const std::string& label, cudaError_t e = cudaGetLastError()) {
+  if (e == cudaSuccess) return ffi::Error::Success();
+  return ffi::Error::Internal("regemm: " + label + " broke: CUDA error " + cudaGetErrorName(e) + " (" +
+                              cudaGetErrorString(e) + ")");
+}
+
+// The fastest candidate in *best (the rule's when none could be timed). A
 // candidate's time: the median of `reps` runs, each timed alone (events
 // around it) right after the L2 cache was flushed, plus the host charge.
 // Timed with the inputs left in L2 by the run before, cuBLASLt's picks
 // looked up to 2.5x faster than they run in a program (65536x256x256 and
 // 8192x1024x4096 bf16 forwards, benchmarks/NOTES.md): a program's inputs
-// come from other work and mostly from DRAM.
-Candidate time_candidates(const std::vector<Candidate>& cands, const GemmProblem& p, const GemmOperands& o,
-                          CudaRuntime& rt, int device, const std::string& sig) {
-  Candidate best;
+// come from other work and mostly from DRAM. A candidate that declines the
+// problem is passed over; one that leaves a CUDA error ends the call with it.
+ffi::Error time_candidates(const std::vector<Candidate>& cands, const GemmProblem& p, const GemmOperands& o,
+                           CudaRuntime& rt, int device, const std::string& sig, Candidate* best) {
   // Enough runs per candidate to see past launch noise (3 to 10).
   const double flops = 2.0 * double(p.m) * double(p.n) * double(p.k) * double(p.batch);
   int reps = flops > 4e11 ? 3 : flops > 4e10 ? 5 : 10;
   if (const char* r = std::getenv("REGEMM_TUNE_REPS"); r && std::atoi(r) > 0) reps = std::min(std::atoi(r), 32);
   std::vector<cudaEvent_t> ev(2 * size_t(reps), nullptr);
-  for (cudaEvent_t& e : ev)
-    if (cudaEventCreate(&e) != cudaSuccess) {
-      cudaGetLastError();
-      for (cudaEvent_t& f : ev)
-        if (f) cudaEventDestroy(f);
-      return best;
+  struct Destroy {
+    std::vector<cudaEvent_t>& ev;
+    ~Destroy() {
+      for (cudaEvent_t e : ev)
+        if (e) cudaEventDestroy(e);
     }
+  } destroy{ev};
+  for (cudaEvent_t& e : ev) REGEMM_CUDA_CHECK(cudaEventCreate(&e));
   const ColdCache cold(device);
   volatile uint32_t* release = release_word(device);
   static std::atomic<uint32_t> tickets{0};
@@ -368,29 +380,27 @@ Candidate time_candidates(const std::vector<Candidate>& cands, const GemmProblem
     // Warm-up (and: can it run at all?), counting the device operations of a run.
     rt.ops = 0;
     if (c.entry->run_variant(p, o, rt, c.variant).failure()) {
-      cudaGetLastError();
+      if (ffi::Error e = cuda_fault(c.label); e.failure()) return e;
       if (log) std::fprintf(stderr, "regemm tune: %s: %s cannot run it\n", sig.c_str(), c.label.c_str());
       continue;
     }
     const int ops = rt.ops;
     const uint32_t ticket = ++tickets;
     hold_stream<<<1, 1, 0, rt.stream>>>(release, ticket, release ? kMaxHoldNs : 1000000);
-    if (cudaGetLastError() != cudaSuccess) continue;
-    bool ok = true;
-    for (int r = 0; r < reps && ok; ++r) {
+    REGEMM_LAUNCH_CHECK();
+    bool ran = true;
+    for (int r = 0; r < reps && ran; ++r) {
       cold.flush(rt.stream);
       cudaEventRecord(ev[2 * r], rt.stream);
-      ok = !c.entry->run_variant(p, o, rt, c.variant).failure();
+      ran = !c.entry->run_variant(p, o, rt, c.variant).failure();
       cudaEventRecord(ev[2 * r + 1], rt.stream);
     }
     if (release) *release = ticket;
+    if (ffi::Error e = cuda_fault(c.label); e.failure()) return e;
+    if (ffi::Error e = cuda_fault(c.label, cudaEventSynchronize(ev.back())); e.failure()) return e;
+    if (!ran) continue;  // declined on a later run (it should not: nothing changed)
     std::vector<float> ms(reps, 0.0f);
-    ok = ok && cudaGetLastError() == cudaSuccess && cudaEventSynchronize(ev.back()) == cudaSuccess;
-    for (int r = 0; r < reps && ok; ++r) ok = cudaEventElapsedTime(&ms[r], ev[2 * r], ev[2 * r + 1]) == cudaSuccess;
-    if (!ok) {
-      cudaGetLastError();
-      continue;
-    }
+    for (int r = 0; r < reps; ++r) REGEMM_CUDA_CHECK(cudaEventElapsedTime(&ms[r], ev[2 * r], ev[2 * r + 1]));
     std::sort(ms.begin(), ms.end());
     const double device_us = 1e3 * double(ms[reps / 2]);
     const int extra = ops > 1 ? ops - 1 : 0;
@@ -398,22 +408,22 @@ Candidate time_candidates(const std::vector<Candidate>& cands, const GemmProblem
     if (log)
       std::fprintf(stderr, "regemm tune: %s: %s %.2f us (device %.2f%s + %.0f us x %d extra ops)\n", sig.c_str(),
                    c.label.c_str(), us, device_us, cold.buf ? ", cold L2" : "", kExtraOpUs, extra);
-    if (!best.entry || us < best_us) { best = c; best_us = us; }
+    if (!best->entry || us < best_us) { *best = c; best_us = us; }
   }
-  for (cudaEvent_t& e : ev) cudaEventDestroy(e);
-  if (log) std::fprintf(stderr, "regemm tune: %s: chose %s\n", sig.c_str(), best.label.c_str());
-  return best;
+  if (log) std::fprintf(stderr, "regemm tune: %s: chose %s\n", sig.c_str(), best->label.c_str());
+  return ffi::Error::Success();
 }
 
-// A remembered way that fails now (it should not: the signature fixes what
-// applies) gives way to the rule, which reports any error of its own.
+// A remembered way that declines now (it should not: the signature fixes
+// what applies) gives way to the rule, which reports any error of its own; a
+// way that broke reports its CUDA error.
 ffi::Error run_candidate(const Candidate& c, const GemmEntry& rule, const GemmProblem& p, const GemmOperands& o,
                          CudaRuntime& rt) {
   if (!c.entry) return rule.run(p, o, rt);
   ffi::Error e = c.entry->run_variant(p, o, rt, c.variant);
   if (!e.failure()) return e;
-  cudaGetLastError();
-  std::fprintf(stderr, "regemm tune: %s failed here (%s); the rule runs instead\n", c.label.c_str(),
+  if (ffi::Error fault = cuda_fault(c.label); fault.failure()) return fault;
+  std::fprintf(stderr, "regemm tune: %s declined here (%s); the rule runs instead\n", c.label.c_str(),
                std::string(e.message()).c_str());
   return rule.run(p, o, rt);
 }
@@ -457,7 +467,7 @@ ffi::Error CudaRuntime::run(const GemmEntry& rule, const GemmProblem& p, const G
     const int64_t y_bytes = p.m * p.n * p.batch * dtype_size(p.dtype);
     const bool c_aliases = p.has_c && (overlaps(o.c, o.y, y_bytes) || overlaps(o.c, o.z, y_bytes));
     if (capturing || c_aliases) return rule.run(p, o, *this);  // untimed, and not remembered
-    chosen = time_candidates(cands, p, o, *this, device, sig);
+    if (ffi::Error e = time_candidates(cands, p, o, *this, device, sig, &chosen); e.failure()) return e;
     std::lock_guard<std::mutex> lock(g_mu);
     ++g_timings;
     if (chosen.entry && !disk_key.empty()) {
