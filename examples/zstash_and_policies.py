@@ -69,10 +69,10 @@ def residuals(x, w, b, act, save):
 
 
 def gemm_calls(x, w, b, act, save):
-    """regemm_gemm calls in the compiled value_and_grad (forward + dgrad + wgrad [+ recompute])."""
+    """GEMM custom calls in the compiled value_and_grad (forward + dgrad + wgrad [+ recompute])."""
     loss = lambda x, w, b: jnp.sum(rg.dense(x, w, b, act=act, save=save))
     hlo = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).lower(x, w, b).compile().as_text()
-    return hlo.count('custom_call_target="regemm_gemm"')
+    return hlo.count(f'custom_call_target="{rg._ffi.GEMM_TARGET}"')
 
 
 def policy_table(x, w, b, acts=("relu", "tanh", "gelu", "silu")):

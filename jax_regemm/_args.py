@@ -2,7 +2,7 @@
 
 Everything a user can get wrong is caught here, with the argument and the
 shapes named, before anything is lowered. The result is a static `Config`
-(hashable: it keys the custom_vjp) and operands in canonical form: every
+(hashable: a primitive parameter) and operands in canonical form: every
 operand with the same number of leading batch dims, the bias as a [..., L]
 vector of its kind.
 """
@@ -40,6 +40,7 @@ class Config:
     return_z: bool = False
     bias_shape: tuple = ()  # canonical [1.., L]: the bias gradient is summed to it
     c_shape: tuple = ()  # C's shape after lifting: gC is summed to it
+    out_sharding: object = None  # under a mesh of Explicit axes: Y's sharding type where JAX cannot infer it
 
 
 def _array(name, x):
@@ -82,7 +83,7 @@ def exact_f32(precision) -> bool:
     return _precision(precision) == lax.Precision.HIGHEST
 
 
-def infer_bias_kind(bias_shape, m, n, bias_kind: Optional[str]) -> str:
+def infer_bias_kind(bias_shape, m, n, bias_kind: Optional[str], name: str = "bias") -> str:
     """Bias kind from its shape (SPEC §2), or check the explicit `bias_kind`."""
     shape = tuple(bias_shape)
     fits = {
@@ -94,7 +95,7 @@ def infer_bias_kind(bias_shape, m, n, bias_kind: Optional[str]) -> str:
         if bias_kind not in _BIAS_KINDS:
             raise ValueError(f"bias_kind must be one of {_BIAS_KINDS}, got {bias_kind!r}")
         if not fits[bias_kind]:
-            raise ValueError(f"bias of shape {shape} does not fit bias_kind={bias_kind!r} for an output of [{m}, {n}]")
+            raise ValueError(f"{name} of shape {shape} does not fit bias_kind={bias_kind!r} for an output of [{m}, {n}]")
         return bias_kind
     if fits["scalar"] and not (shape == (1,) and n == 1):
         return "scalar"
@@ -103,43 +104,49 @@ def infer_bias_kind(bias_shape, m, n, bias_kind: Optional[str]) -> str:
     if fits["per_row"]:
         return "per_row"
     raise ValueError(
-        f"bias of shape {shape} fits no bias kind for an output of [{m}, {n}]: "
+        f"{name} of shape {shape} fits no bias kind for an output of [{m}, {n}]: "
         f"use (), (1,), ({m},), ({m}, 1), ({n},) or (1, {n})"
     )
 
 
-def prepare(a, b, bias, c, *, act, leaky_slope, alpha, beta, trans_a, trans_b, bias_kind, save, precision, return_z):
-    """Checks the arguments; returns (Config, a, b, bias [..., L] or None, c or None)."""
-    a = _array("a", a)
-    b = _array("b", b)
-    _dtype_ok("a", a)
-    for name, x in (("b", b), ("bias", bias), ("c", c)):
+def _number(name, x):
+    """A static, finite real number (a Python or NumPy scalar; not a string, not an array)."""
+    if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{name} must be a Python number (static), got {type(x).__name__} {x!r}")
+    if not np.isfinite(x):
+        raise ValueError(f"{name} must be finite, got {x}")
+    return float(x)
+
+
+def prepare(a, b, bias, c, *, act, leaky_slope, alpha, beta, trans_a, trans_b, bias_kind, save, precision, return_z,
+            names=("a", "b", "bias", "c")):  # fmt: skip
+    """Checks the arguments; returns (Config, a, b, bias [..., L] or None, c or None).
+    `names`: what the caller calls a, b, bias and c (dense says x, w, b), for the errors."""
+    na, nb_, nbias, nc = names
+    a = _array(na, a)
+    b = _array(nb_, b)
+    _dtype_ok(na, a)
+    for name, x in ((nb_, b), (nbias, bias), (nc, c)):
         if x is None:
             continue
         x = _array(name, x)
         _dtype_ok(name, x)
         if x.dtype != a.dtype:
-            raise TypeError(f"{name} has dtype {x.dtype} but a has {a.dtype}: mixed dtypes are not supported")
+            raise TypeError(f"{name} has dtype {x.dtype} but {na} has {a.dtype}: mixed dtypes are not supported")
     if a.ndim < 2:
-        raise ValueError(f"a must have rank >= 2 ([..., M, K]), got shape {a.shape}")
+        raise ValueError(f"{na} must have rank >= 2 ([..., M, K]), got shape {a.shape}")
     if b.ndim < 2:
-        raise ValueError(f"b must have rank >= 2 ([..., K, N]), got shape {b.shape}")
+        raise ValueError(f"{nb_} must have rank >= 2 ([..., K, N]), got shape {b.shape}")
     m, k = (a.shape[-1], a.shape[-2]) if trans_a else (a.shape[-2], a.shape[-1])
     kb, n = (b.shape[-1], b.shape[-2]) if trans_b else (b.shape[-2], b.shape[-1])
     if k != kb:
         raise ValueError(
-            f"contraction sizes differ: a {a.shape} (trans_a={trans_a}) has K={k}, "
-            f"b {b.shape} (trans_b={trans_b}) has K={kb}"
+            f"contraction sizes differ: {na} {a.shape} (trans_a={trans_a}) has K={k}, "
+            f"{nb_} {b.shape} (trans_b={trans_b}) has K={kb}"
         )
     if act not in ACTIVATIONS:
         raise ValueError(f"unknown activation {act!r}; expected one of {ACTIVATIONS}")
-    try:
-        slope = float(leaky_slope)
-        alpha, beta = float(alpha), float(beta)
-    except TypeError:
-        raise TypeError("leaky_slope, alpha and beta must be Python numbers (static), not arrays") from None
-    if not np.isfinite(slope):
-        raise ValueError(f"leaky_slope must be finite, got {leaky_slope}")
+    slope, alpha, beta = _number("leaky_slope", leaky_slope), _number("alpha", alpha), _number("beta", beta)
     if save not in SAVE_POLICIES:
         raise ValueError(f"save must be one of {SAVE_POLICIES}, got {save!r}")
     y_ok = act in GRAD_FROM_Y and not (act == "leaky_relu" and slope <= 0)
@@ -152,13 +159,13 @@ def prepare(a, b, bias, c, *, act, leaky_slope, alpha, beta, trans_a, trans_b, b
     batch_shapes = [a.shape[:-2], b.shape[:-2]]
     if c is not None:
         if c.ndim < 2 or c.shape[-2:] != (m, n):
-            raise ValueError(f"c must have shape [..., {m}, {n}], got {c.shape}")
+            raise ValueError(f"{nc} must have shape [..., {m}, {n}], got {c.shape}")
         batch_shapes.append(c.shape[:-2])
     try:
         batch = jnp.broadcast_shapes(*batch_shapes)
     except ValueError:
         raise ValueError(
-            f"batch dims do not broadcast: a {a.shape}, b {b.shape}" + (f", c {c.shape}" if c is not None else "")
+            f"batch dims do not broadcast: {na} {a.shape}, {nb_} {b.shape}" + (f", {nc} {c.shape}" if c is not None else "")
         ) from None
     nb = len(batch)
 
@@ -168,11 +175,11 @@ def prepare(a, b, bias, c, *, act, leaky_slope, alpha, beta, trans_a, trans_b, b
     kind = "none"
     if bias is not None:
         if bias.ndim > 2:
-            raise ValueError(f"bias must have rank <= 2, got shape {bias.shape}")
-        kind = infer_bias_kind(bias.shape, m, n, bias_kind)
+            raise ValueError(f"{nbias} must have rank <= 2, got shape {bias.shape}")
+        kind = infer_bias_kind(bias.shape, m, n, bias_kind, nbias)
         bias = jnp.reshape(bias, (1,) * nb + (-1,))
     elif bias_kind is not None and bias_kind != "none":
-        raise ValueError(f"bias_kind={bias_kind!r} given but bias is None")
+        raise ValueError(f"bias_kind={bias_kind!r} given but {nbias} is None")
 
     cfg = Config(
         act=act,

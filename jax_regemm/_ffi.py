@@ -1,7 +1,7 @@
 """The XLA FFI custom calls, registered once per platform, and their raw calls.
 
-Both platforms export the same targets (regemm_gemm, regemm_dact) under the
-same names. Each call is bound as the primitive `regemm_call`, whose lowering
+Both platforms export the same targets, GEMM_TARGET and DACT_TARGET
+(versioned names, ffi/regemm/module_util.h: what jax.export records). Each call is bound as the primitive `regemm_call`, whose lowering
 adds one result the program never sees: the handler's device workspace, sized
 per platform (0 bytes on the CPU; on the GPU the CUDA module says how much,
 ffi/cuda/workspace.h). XLA allocates it like any temporary, so it stays valid
@@ -36,7 +36,14 @@ except ImportError:
     _regemm_cuda = None
 
 
+GEMM_TARGET = "regemm_gemm_v1"
+DACT_TARGET = "regemm_dact_v1"
+TARGETS = (GEMM_TARGET, DACT_TARGET)
+
+
 def _register():
+    if set(_regemm_cpu.registrations()) != set(TARGETS):  # the names are spelled in C++ and here
+        raise ImportError(f"jax_regemm: the extension exports {sorted(_regemm_cpu.registrations())}, not {TARGETS}")
     for name, capsule in _regemm_cpu.registrations().items():
         jax.ffi.register_ffi_target(name, capsule, platform="cpu")
     if _regemm_cuda is not None:
@@ -89,20 +96,35 @@ def _call_batch(args, dims, *, target, results, attrs):
 _WORKSPACE_DTYPES = ("float32", "float64", "bfloat16", "float16")
 
 
+def _static(target, *dims):
+    """The dims as ints; a symbolic one (jax.export) cannot size the workspace."""
+    if all(isinstance(d, (int, np.integer)) for d in dims):
+        return dims
+    raise ValueError(
+        f"jax_regemm: {target} on CUDA sizes its workspace from static dims, got {dims}: export for CUDA with "
+        "symbolic dims only where they are batch rows of a forward GEMM (x's leading dims), not through the "
+        "backward's bias gradient (regemm_dact) nor in the weight's shape"
+    )
+
+
 def _workspace_bytes(platform, target, avals_in, attrs):
     """Bytes of workspace the target's handler needs on `platform` (ffi/cuda/workspace.h)."""
     if platform != "cuda" or _regemm_cuda is None or np.dtype(avals_in[0].dtype).name not in _WORKSPACE_DTYPES:
         return 0  # (an unsupported dtype: the handler says so, with the shapes)
-    if target == "regemm_gemm":
+    if target == GEMM_TARGET:
         a, b = avals_in[:2]
         nb = a.ndim - 2
         k, n = (b.shape[-1], b.shape[-2]) if attrs["trans_b"] else (b.shape[-2], b.shape[-1])
+        k, n, batch_b = _static(target, k, n, math.prod(b.shape[:nb]))
         return _regemm_cuda.gemm_workspace_bytes(
-            np.dtype(a.dtype).name, k, n, math.prod(b.shape[:nb]), attrs["trans_a"], attrs["trans_b"], attrs["exact_f32"]
+            np.dtype(a.dtype).name, k, n, batch_b, attrs["trans_a"], attrs["trans_b"], attrs["exact_f32"]
         )
     gy = avals_in[0]
+    if attrs["bias_kind"] == "none":
+        return 0  # the partial bias sums are the whole workspace
     batch = math.prod(jnp.broadcast_shapes(gy.shape[:-2], avals_in[1].shape[:-2]))
-    return _regemm_cuda.dact_workspace_bytes(np.dtype(gy.dtype).name, gy.shape[-2], gy.shape[-1], batch, attrs["bias_kind"])
+    m, n, batch = _static(target, gy.shape[-2], gy.shape[-1], batch)
+    return _regemm_cuda.dact_workspace_bytes(np.dtype(gy.dtype).name, m, n, batch, attrs["bias_kind"])
 
 
 def _call_lowering(platform):
@@ -127,7 +149,7 @@ def _batch_shape(*arrays_and_ranks):
 
 
 def gemm(a, b, bias, c, *, act, slope, alpha, beta, trans_a, trans_b, bias_kind, store_z, exact_f32):
-    """(Y, Z or None) = regemm_gemm. All operands have the same number of batch dims."""
+    """(Y, Z or None) = the GEMM target. All operands have the same number of batch dims."""
     nb = a.ndim - 2
     m = a.shape[-1] if trans_a else a.shape[-2]
     n = b.shape[-2] if trans_b else b.shape[-1]
@@ -141,7 +163,7 @@ def gemm(a, b, bias, c, *, act, slope, alpha, beta, trans_a, trans_b, bias_kind,
     y_t = jax.ShapeDtypeStruct(batch + (m, n), a.dtype)
     z_t = jax.ShapeDtypeStruct(batch + ((m, n) if store_z else (0, 0)), a.dtype)
     y, z = _call(
-        "regemm_gemm",
+        GEMM_TARGET,
         (y_t, z_t),
         a,
         b,
@@ -162,11 +184,11 @@ def gemm(a, b, bias, c, *, act, slope, alpha, beta, trans_a, trans_b, bias_kind,
 
 
 def dact(gy, s, *, act, slope, from_y, bias_kind, bias_len):
-    """(gZ, gBias or None) = regemm_dact."""
+    """(gZ, gBias or None) = the dact target."""
     batch = _batch_shape((gy, 2), (s, 2))
     gz_t = jax.ShapeDtypeStruct(batch + gy.shape[-2:], gy.dtype)
     gb_t = jax.ShapeDtypeStruct(batch + (bias_len if bias_kind != "none" else 0,), gy.dtype)
     gz, gbias = _call(
-        "regemm_dact", (gz_t, gb_t), gy, s, act=act, slope=np.float64(slope), from_y=bool(from_y), bias_kind=bias_kind
+        DACT_TARGET, (gz_t, gb_t), gy, s, act=act, slope=np.float64(slope), from_y=bool(from_y), bias_kind=bias_kind
     )
     return gz, (gbias if bias_kind != "none" else None)

@@ -1,16 +1,25 @@
-"""The differentiable ops: each FFI call wrapped in a jax.custom_vjp.
+"""The differentiable ops: three JAX primitives around the FFI calls.
 
-- `fused`: Y (, Z) = act(alpha op(A) op(B) + beta C + bias), bound as the
-  primitive `regemm_fused` (see below) around the custom_vjp `_fused`. Its residual is
-  chosen by the save policy: Z, Y (nothing beyond the output) or nothing
-  (recompute Z in the backward). A plain GEMM is `fused` with act none.
-- `dact`: gZ = gY act'(Z or Y) with the bias-gradient reduction in the same
-  pass; its own VJP (needed only for second order) is the reference's.
+- `regemm_fused`: Y (, Z) = act(alpha op(A) op(B) + beta C + bias), the fused
+  forward GEMM. A plain GEMM is the same op with act none.
+- `regemm_fused_lin`: its JVP, linear in the tangents:
+      dZ = alpha (op(dA) op(B) + op(A) op(dB)) + beta dC + dbias,  dY = act'(S) dZ
+  with S the residual the save policy keeps: Z, Y, or nothing (Z recomputed
+  from A, B, bias, C). Forward mode evaluates it in plain JAX. Reverse mode
+  transposes it, and its transpose is the fused backward: the dact kernel
+  (gZ = gY act'(S) with the bias gradient in one pass), then the dgrad and
+  wgrad GEMMs, for only the cotangents asked for. So jvp, grad, and every
+  mix of them (jacfwd, hessian, linearize) work, with one JVP rule.
+- `regemm_dact`: gZ = gY act'(S) with the bias gradient; its derivatives are
+  its reference's (needed past first order only).
 
-The backward of `fused` is split into separate calls (dact, dgrad GEMM,
-wgrad GEMM) so XLA drops the ones whose results are unused. Every rule calls
-the custom_vjp functions themselves, never the raw FFI calls, so gradients of
-gradients work to any order.
+Each primitive has a plain-JAX reference (`_fused_ref`, `_lin_ref`,
+`_dact_ref`): the output types (shapes, shardings in types, shard_map's
+varying axes) are the reference's, so the ops type as `jnp` does, and the
+derivatives past first order run on it. The FFI calls appear only at
+lowering, behind their partitioning rules (_partition.py), so jit over a mesh
+keeps the work local. The ops' vmap rules add a leading batch dim (the
+kernels broadcast by stride), folding a batch of A against a shared B into M.
 """
 
 from __future__ import annotations
@@ -20,10 +29,14 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+from jax import lax
+from jax._src import api_util, dispatch
+from jax._src import core as _core
+from jax._src.interpreters import partial_eval as pe
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from . import _ffi, reference
+from . import _partition, reference
 from ._args import Config
 
 
@@ -33,198 +46,306 @@ def _sum_to(x, shape):
     return jnp.sum(x, axis=axes, keepdims=True) if axes else x
 
 
+def _types_of(ref, *avals, **params):
+    """The output types of `ref` (plain JAX) on `avals`: a primitive's abstract evaluation."""
+    fun = partial(ref, **params)
+    debug = api_util.debug_info("jax_regemm", fun, avals, {})
+    return pe.abstract_eval_fun(fun, *avals, debug_info=debug)
+
+
+def _same_varying_axes(args):
+    """Inside shard_map, every operand varying over the same manual axes (as jnp's
+    ops make theirs): then the transpose of that cast sums the cotangent of an
+    operand that was invariant (a replicated weight) over those axes."""
+    insert = getattr(_core, "auto_insert_reshard", None) or getattr(_core, "standard_insert_pvary", None)
+    return list(insert(*args)) if insert is not None and args else list(args)
+
+
+def _primitive(name, ref, lower):
+    p = Primitive(name)
+    p.multiple_results = True
+    p.def_impl(partial(dispatch.apply_primitive, p))  # eager: compile the one op
+    p.def_abstract_eval(partial(_types_of, ref))
+    mlir.register_lowering(p, mlir.lower_fun(lower, multiple_results=True))
+    if lower is not ref:  # lowers through custom_partitioning, which needs the devices then
+        dispatch.prim_requires_devices_during_lowering.add(p)
+    return p
+
+
+def _precision(cfg):
+    return lax.Precision.HIGHEST if cfg.exact_f32 else None
+
+
+def _op(x, trans):
+    return jnp.swapaxes(x, -1, -2) if trans else x
+
+
 # ---------------------------------------------------------------------------
-# fused forward
+# regemm_fused
 # ---------------------------------------------------------------------------
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _fused(cfg: Config, a, b, bias, c):
-    y, z = _ffi.gemm(
-        a,
-        b,
-        bias,
-        c,
-        act=cfg.act,
-        slope=cfg.slope,
-        alpha=cfg.alpha,
-        beta=cfg.beta,
-        trans_a=cfg.trans_a,
-        trans_b=cfg.trans_b,
-        bias_kind=cfg.bias_kind,
-        store_z=cfg.return_z,
-        exact_f32=cfg.exact_f32,
+def _split(cfg, args):
+    """(a, b, bias, c) from the primitive's flat operands (absent ones are not passed)."""
+    a, b, *rest = args
+    bias = rest.pop(0) if cfg.bias_kind != "none" else None
+    c = rest.pop(0) if cfg.c_shape else None
+    return a, b, bias, c
+
+
+def _fused_ref(*args, cfg):
+    a, b, bias, c = _split(cfg, args)
+    acc = reference._acc_dtype(a.dtype)
+    z = cfg.alpha * jnp.matmul(
+        _op(a, cfg.trans_a), _op(b, cfg.trans_b), precision=_precision(cfg), preferred_element_type=acc,
+        out_sharding=cfg.out_sharding,
+    )  # fmt: skip
+    if c is not None:
+        z = z + cfg.beta * c.astype(acc)
+    if bias is not None:  # canonical [..., L]
+        z = z + _partition.bias_broadcast(bias.astype(acc), cfg.bias_kind)
+    y = reference.act_fwd(cfg.act, z, cfg.slope).astype(a.dtype)
+    return [y, z.astype(a.dtype)] if cfg.return_z else [y]
+
+
+def _fused_lower(*args, cfg):
+    a, b, bias, c = _split(cfg, args)
+    y, z = _partition.gemm(
+        a, b, bias, c, act=cfg.act, slope=cfg.slope, alpha=cfg.alpha, beta=cfg.beta, trans_a=cfg.trans_a,
+        trans_b=cfg.trans_b, bias_kind=cfg.bias_kind, store_z=cfg.return_z, exact_f32=cfg.exact_f32,
+    )  # fmt: skip
+    return [y, z] if cfg.return_z else [y]
+
+
+_fused_p = _primitive("regemm_fused", _fused_ref, _fused_lower)
+
+
+def fused(cfg: Config, a, b, bias, c):
+    """Y, or (Y, Z) when cfg.return_z: the differentiable, batchable fused op."""
+    args = _same_varying_axes([a, b] + [x for x in (bias, c) if x is not None])
+    outs = _fused_p.bind(*args, cfg=cfg)
+    return tuple(outs) if cfg.return_z else outs[0]
+
+
+def _residual_kind(cfg):
+    """What the backward reads beside A and B: "z", "y", "recompute" (bias and C, to recompute Z) or "none"."""
+    if cfg.act == "none":
+        return "none"
+    return "z" if cfg.return_z else cfg.save
+
+
+def _fused_jvp(primals, tangents, *, cfg):
+    a, b, bias, c = _split(cfg, primals)
+    kind = _residual_kind(cfg)
+    outs = _fused_p.bind(*primals, cfg=dataclasses.replace(cfg, return_z=cfg.return_z or kind == "z"))
+    y = outs[0]
+    res = [a, b] + {"z": [outs[-1]], "y": [y], "recompute": [x for x in (bias, c) if x is not None], "none": []}[kind]
+    has = tuple(type(t) is not ad.Zero for t in tangents)  # of (dA, dB, dbias, dC), among the operands that exist
+    lin_tangents = [t for t in tangents if type(t) is not ad.Zero]
+    primal_out = outs if cfg.return_z else [y]
+    if not lin_tangents:
+        return primal_out, [ad.Zero.from_primal_value(o) for o in primal_out]
+    return primal_out, _lin_p.bind(*_same_varying_axes(res + lin_tangents), cfg=cfg, kind=kind, has=has)
+
+
+ad.primitive_jvps[_fused_p] = _fused_jvp
+
+
+def _lead(x, d, size):
+    """x with its batched dim (d) first, or a broadcast (size-1) leading dim where it has none."""
+    return jnp.expand_dims(x, 0) if d is None else jnp.moveaxis(x, d, 0)
+
+
+def _fused_batch(args, dims, *, cfg):
+    a, b, bias, c = _split(cfg, args)
+    da, db, dbias, dc = _split(cfg, dims)
+    na = None  # not batched
+    foldable = (
+        da is not na and db is na and a.ndim == 3 and not cfg.trans_a
+        and (bias is None or (dbias is na and cfg.bias_kind != "per_row"))
+        and (c is None or dc is not na) and len(cfg.c_shape) in (0, 2)
+    )  # fmt: skip
+    if foldable:  # [B, M, K] @ [K, N] -> one GEMM of B*M rows (the weight's gradient: one wgrad GEMM)
+        a = jnp.moveaxis(a, da, 0)
+        nbat, m = a.shape[0], a.shape[1]
+        args2 = [a.reshape(nbat * m, a.shape[2]), b] + ([bias] if bias is not None else [])
+        if c is not None:  # [B, M, N] -> [B*M, N] (N spelled out: a -1 is undefined when B*M == 0)
+            c = jnp.moveaxis(c, dc, 0)
+            args2.append(c.reshape(nbat * m, c.shape[-1]))
+            cfg = dataclasses.replace(cfg, c_shape=tuple(args2[-1].shape))
+        outs = _fused_p.bind(*args2, cfg=cfg)
+        return [o.reshape(nbat, m, o.shape[-1]) for o in outs], [0] * len(outs)
+    # Otherwise one more leading batch dim: an operand without it gets a size-1 dim, read by stride.
+    size = next(x.shape[d] for x, d in zip(args, dims) if d is not na)
+    args2 = [_lead(x, d, size) for x, d in zip(args, dims)]
+    _, _, bias2, c2 = _split(cfg, args2)
+    cfg = dataclasses.replace(
+        cfg, bias_shape=() if bias2 is None else tuple(bias2.shape), c_shape=() if c2 is None else tuple(c2.shape)
     )
-    return (y, z) if cfg.return_z else y
+    outs = _fused_p.bind(*args2, cfg=cfg)
+    return outs, [0] * len(outs)
 
 
-def _fused_fwd(cfg, a, b, bias, c):
-    if cfg.act == "none":  # act' = 1: the backward needs no residual beyond A and B
-        return _fused(cfg, a, b, bias, c), (a, b, None)
-    if cfg.return_z:
-        y, z = _fused(cfg, a, b, bias, c)
-        return (y, z), (a, b, z)
-    if cfg.save == "z":
-        y, z = _fused(dataclasses.replace(cfg, return_z=True), a, b, bias, c)
-        return y, (a, b, z)
-    y = _fused(cfg, a, b, bias, c)
-    if cfg.save == "recompute":
-        return y, (a, b, bias, c)
-    return y, (a, b, y)  # save == "y": the output is the residual
+batching.primitive_batchers[_fused_p] = _fused_batch
 
 
-def _fused_bwd(cfg, res, ct):
-    gy, gz_extra = ct if cfg.return_z else (ct, None)
-    if len(res) == 4:  # recompute Z: one more GEMM instead of an M x N residual
-        a, b, bias, c = res
+# ---------------------------------------------------------------------------
+# regemm_fused_lin: the JVP, whose transpose is the fused backward
+# ---------------------------------------------------------------------------
+
+
+def _split_lin(cfg, kind, has, args):
+    """((a, b, s, bias, c), (dA, dB, dbias, dC)) from the flat operands: residuals, then present tangents."""
+    args = list(args)
+    a, b = args[:2]
+    rest = args[2:]
+    s = bias = c = None
+    if kind in ("z", "y"):
+        s = rest.pop(0)
+    elif kind == "recompute":
+        bias = rest.pop(0) if cfg.bias_kind != "none" else None
+        c = rest.pop(0) if cfg.c_shape else None
+    exists = [True, True, cfg.bias_kind != "none", bool(cfg.c_shape)]
+    tangents = []
+    it = iter(has)
+    for e in exists:
+        tangents.append(rest.pop(0) if e and next(it) else None)
+    return (a, b, s, bias, c), tangents
+
+
+def _out_shape(cfg, a, b):
+    m = a.shape[-1] if cfg.trans_a else a.shape[-2]
+    n = b.shape[-2] if cfg.trans_b else b.shape[-1]
+    batch = jnp.broadcast_shapes(a.shape[:-2], b.shape[:-2], *([cfg.c_shape[:-2]] if cfg.c_shape else []))
+    return batch + (m, n)
+
+
+def _act_prime(cfg, kind, a, b, s, bias, c):
+    """act'(Z) in the accumulation type, from the residual."""
+    acc = reference._acc_dtype(a.dtype)
+    if kind == "recompute":
+        s = _fused_ref(*[x for x in (a, b, bias, c) if x is not None], cfg=dataclasses.replace(cfg, return_z=True))[1]
+    if kind == "y":
+        return reference.act_grad_from_y(cfg.act, s.astype(acc), cfg.slope)
+    return reference.act_grad(cfg.act, s.astype(acc), cfg.slope)
+
+
+def _lin_ref(*args, cfg, kind, has):
+    (a, b, s, bias, c), (da, db, dbias, dc) = _split_lin(cfg, kind, has, args)
+    acc = reference._acc_dtype(a.dtype)
+    mm = partial(jnp.matmul, precision=_precision(cfg), preferred_element_type=acc)
+    dz = jnp.zeros(_out_shape(cfg, a, b), acc)
+    if da is not None:
+        dz = dz + cfg.alpha * mm(_op(da, cfg.trans_a), _op(b, cfg.trans_b))
+    if db is not None:
+        dz = dz + cfg.alpha * mm(_op(a, cfg.trans_a), _op(db, cfg.trans_b))
+    if dc is not None:
+        dz = dz + cfg.beta * dc.astype(acc)
+    if dbias is not None:
+        dz = dz + _partition.bias_broadcast(dbias.astype(acc), cfg.bias_kind)
+    dy = dz if kind == "none" else _act_prime(cfg, kind, a, b, s, bias, c) * dz
+    outs = [dy, dz] if cfg.return_z else [dy]
+    return [o.astype(a.dtype) for o in outs]
+
+
+def _lin_transpose(cts, *args, cfg, kind, has):
+    (a, b, s, bias, c), tangents = _split_lin(cfg, kind, has, args)
+    ct_y, ct_z = (cts[0], cts[1]) if cfg.return_z else (cts[0], None)
+    ct_y = None if type(ct_y) is ad.Zero else ct_y
+    ct_z = None if type(ct_z) is ad.Zero else ct_z
+    need = tuple(t is not None and ad.is_undefined_primal(t) for t in tangents)
+    n_res = len(args) - sum(has)
+    if (ct_y is None and ct_z is None) or not any(need):
+        return [None] * len(args)
+    if ct_y is None:
+        ct_y = jnp.zeros_like(ct_z)
+    if kind == "recompute":
         s = fused(dataclasses.replace(cfg, act="none", return_z=False), a, b, bias, c)
-        from_y = False
-    else:
-        a, b, s = res
-        from_y = cfg.save == "y" and not cfg.return_z
-    ga, gb, gbias, gc = backward(cfg, a, b, gy, s, from_y, gz_extra)
-    return ga, gb, gbias, gc
+    types = [_explicit(t.aval) if ad.is_undefined_primal(t) else None for t in tangents[:2]]
+    grads = backward(cfg, a, b, ct_y, s, kind == "y", ct_z, need=need, types=types)
+    out = [None] * n_res + [g for g, t in zip(grads, tangents) if t is not None]
+    return out
 
 
-_fused.defvjp(_fused_fwd, _fused_bwd)
+def _lin_jvp(primals, tangents, **params):
+    tangents = [ad.instantiate_zeros(t) for t in tangents]
+    _, t_out = jax.jvp(partial(_lin_ref, **params), tuple(primals), tuple(tangents))
+    return _lin_p.bind(*primals, **params), t_out
 
 
-def matmul(x, y, *, trans_x, trans_y, alpha, exact_f32):
+def _lin_batch(args, dims, **params):
+    outs = jax.vmap(partial(_lin_ref, **params), in_axes=tuple(dims))(*args)
+    return outs, [0] * len(outs)
+
+
+_lin_p = _primitive("regemm_fused_lin", _lin_ref, _lin_ref)
+ad.primitive_transposes[_lin_p] = _lin_transpose
+ad.primitive_jvps[_lin_p] = _lin_jvp
+batching.primitive_batchers[_lin_p] = _lin_batch
+
+
+def _explicit(aval):
+    """aval's sharding where its mesh has Explicit axes (the type to give a gradient), else None."""
+    sharding = getattr(aval, "sharding", None)
+    types = getattr(getattr(sharding, "mesh", None), "axis_types", ())
+    return sharding if any("Explicit" in str(t) for t in types) else None
+
+
+def matmul(x, y, *, trans_x, trans_y, alpha, exact_f32, out_sharding=None):
     """alpha * op(x) @ op(y): the dgrad and wgrad GEMMs (differentiable, linear)."""
-    cfg = Config(act="none", alpha=alpha, trans_a=trans_x, trans_b=trans_y, save="y", exact_f32=exact_f32)
+    cfg = Config(
+        act="none", alpha=alpha, trans_a=trans_x, trans_b=trans_y, save="y", exact_f32=exact_f32,
+        out_sharding=out_sharding,
+    )  # fmt: skip
     return fused(cfg, x, y, None, None)
 
 
-def backward(cfg: Config, a, b, gy, s, from_y, gz_extra=None):
-    """(gA, gB, gBias, gC) of `fused`, given gY and S = Z (or Y when from_y)."""
+def backward(cfg: Config, a, b, gy, s, from_y, gz_extra=None, need=(True, True, True, True), types=(None, None)):
+    """(gA, gB, gBias, gC) of `fused` given gY and S = Z (or Y when from_y); None where not `need`ed.
+    types: gA's and gB's sharding types under a mesh of Explicit axes (a GEMM contracting a
+    sharded dim needs one), else None."""
+    need_a, need_b, need_bias, need_c = need
     has_bias = cfg.bias_kind != "none"
+    want_bias = has_bias and need_bias
     if cfg.act == "none":  # act' = 1: no elementwise pass at all
         gz, gbias = gy, None
     else:
-        gz, gbias = dact(_DactSpec(cfg.act, cfg.slope, from_y, cfg.bias_kind, cfg.bias_shape[-1:]), gy, s)
+        spec = _DactSpec(cfg.act, cfg.slope, from_y, cfg.bias_kind if want_bias else "none", cfg.bias_shape[-1:])
+        gz, gbias = dact(spec, gy, s)
     if gz_extra is not None:  # the caller also differentiates through Z
         gz, gbias = gz + gz_extra, None
-    if has_bias and gbias is None:
+    if want_bias and gbias is None:
         gbias = reference.bias_reduce(gz.astype(jnp.promote_types(gz.dtype, jnp.float32)), cfg.bias_kind)
         gbias = gbias.astype(gz.dtype)
 
     # op(A) [M,K], op(B) [K,N]: g op(A) = alpha gZ op(B)^T, g op(B) = alpha op(A)^T gZ,
     # mapped back through the transposes without materialising any of them.
     mm = partial(matmul, alpha=cfg.alpha, exact_f32=cfg.exact_f32)
-    if cfg.trans_a:
-        ga = mm(b, gz, trans_x=cfg.trans_b, trans_y=True)
-    else:
-        ga = mm(gz, b, trans_x=False, trans_y=not cfg.trans_b)
-    if cfg.trans_b:
-        gb = mm(gz, a, trans_x=True, trans_y=cfg.trans_a)
-    elif not cfg.trans_a and all(d == 1 for d in b.shape[:-2]) and a.shape[:-2] == gz.shape[:-2] and a.ndim > 2:
-        # B shared by the batch: one GEMM contracting over batch x M, not one per entry then a sum.
-        k, n = a.shape[-1], gz.shape[-1]
-        gb = mm(a.reshape(-1, k), gz.reshape(-1, n), trans_x=True, trans_y=False).reshape(b.shape)
-    else:
-        gb = mm(a, gz, trans_x=not cfg.trans_a, trans_y=False)
-    ga, gb = _sum_to(ga, a.shape), _sum_to(gb, b.shape)
-    if has_bias:
-        gbias = _sum_to(gbias, cfg.bias_shape)
-    gc = _sum_to(cfg.beta * gz, cfg.c_shape) if cfg.c_shape else None
+    ga = gb = None
+    same_rank = [t if t is not None and len(t.spec) <= x.ndim and x.ndim == 2 else None for t, x in zip(types, (a, b))]
+    if need_a:
+        if cfg.trans_a:
+            ga = mm(b, gz, trans_x=cfg.trans_b, trans_y=True, out_sharding=same_rank[0])
+        else:
+            ga = mm(gz, b, trans_x=False, trans_y=not cfg.trans_b, out_sharding=same_rank[0])
+        ga = _sum_to(ga, a.shape)
+    if need_b:
+        if cfg.trans_b:
+            gb = mm(gz, a, trans_x=True, trans_y=cfg.trans_a, out_sharding=same_rank[1])
+        elif not cfg.trans_a and all(d == 1 for d in b.shape[:-2]) and a.shape[:-2] == gz.shape[:-2] and a.ndim > 2:
+            # B shared by the batch: one GEMM contracting over batch x M, not one per entry then a sum.
+            k, n = a.shape[-1], gz.shape[-1]
+            gb = mm(a.reshape(-1, k), gz.reshape(-1, n), trans_x=True, trans_y=False).reshape(b.shape)
+        else:
+            gb = mm(a, gz, trans_x=not cfg.trans_a, trans_y=False, out_sharding=same_rank[1])
+        gb = _sum_to(gb, b.shape)
+    gbias = _sum_to(gbias, cfg.bias_shape) if want_bias else None
+    gc = _sum_to(cfg.beta * gz, cfg.c_shape) if cfg.c_shape and need_c else None
     return ga, gb, gbias, gc
 
 
 # ---------------------------------------------------------------------------
-# the primitive: where vmap meets the custom_vjp
-# ---------------------------------------------------------------------------
-#
-# vmap of a custom_vjp vmaps its backward as a whole: a weight shared by the
-# batch then gets one gradient per example, materialised [B, K, N] and summed.
-# `regemm_fused` puts a batching rule in front: a batch of A against a shared
-# B is folded into M (a reshape) before the custom_vjp sees it, so under
-# grad(vmap(f)) -- the usual per-example model -- the backward is one dgrad and
-# one wgrad GEMM over the whole batch. Its JVP is the custom_vjp's, so
-# vmap(grad(f)) (per-example gradients) keeps exact per-example semantics.
-
-try:  # public in the JAX versions this targets; the private path is a fallback
-    from jax.core import ShapedArray
-except ImportError:  # pragma: no cover
-    from jax._src.core import ShapedArray
-
-_fused_p = Primitive("regemm_fused")
-_fused_p.multiple_results = True
-
-
-def _split(cfg, args):
-    """(a, b, bias, c) from the primitive's flat operands (absent ones are not passed)."""
-    args = list(args)
-    a, b = args[:2]
-    rest = args[2:]
-    bias = rest.pop(0) if cfg.bias_kind != "none" else None
-    c = rest.pop(0) if cfg.c_shape else None
-    return a, b, bias, c
-
-
-def _fused_impl(*args, cfg):
-    out = _fused(cfg, *_split(cfg, args))
-    return list(out) if cfg.return_z else [out]
-
-
-def _fused_abstract(*avals, cfg):
-    a, b, bias, c = _split(cfg, avals)
-    shapes = [a.shape[:-2], b.shape[:-2]] + ([bias.shape[:-1]] if bias is not None else [])
-    shapes += [c.shape[:-2]] if c is not None else []
-    batch = jnp.broadcast_shapes(*shapes)
-    m = a.shape[-1] if cfg.trans_a else a.shape[-2]
-    n = b.shape[-2] if cfg.trans_b else b.shape[-1]
-    out = ShapedArray(batch + (m, n), a.dtype)
-    return [out, out] if cfg.return_z else [out]
-
-
-def _fused_jvp(primals, tangents, *, cfg):
-    tangents = [ad.instantiate_zeros(t) for t in tangents]
-    fn = lambda *args: _fused_impl(*args, cfg=cfg)
-    return jax.jvp(fn, tuple(primals), tuple(tangents))
-
-
-def _fused_batch(args, dims, *, cfg):
-    a, b, bias, c = _split(cfg, args)
-    da, db, dbias, dc = _split(cfg, dims)
-    na = None  # batching.not_mapped
-    foldable = (
-        da is not na and db is na and a.ndim == 3 and not cfg.trans_a
-        and (bias is None or (dbias is na and cfg.bias_kind != "per_row"))
-        and (c is None or dc is not na) and len(cfg.c_shape) in (0, 2)
-    )  # fmt: skip
-    if foldable:  # [B, M, K] @ [K, N] -> one GEMM of B*M rows
-        a = jnp.moveaxis(a, da, 0)
-        nbat, m = a.shape[0], a.shape[1]
-        args2 = [a.reshape(nbat * m, a.shape[2]), b]
-        args2 += [bias] if bias is not None else []
-        if c is not None:  # [B, M, N] -> [B*M, N] (N spelled out: a -1 is undefined when B*M == 0)
-            c = jnp.moveaxis(c, dc, 0)
-            args2.append(c.reshape(nbat * m, c.shape[-1]))
-        if c is not None:  # C's (static) shape is part of the config: it is now [B*M, N]
-            cfg = dataclasses.replace(cfg, c_shape=tuple(args2[-1].shape))
-        outs = _fused_p.bind(*args2, cfg=cfg)
-        return [o.reshape(nbat, m, o.shape[-1]) for o in outs], [0] * len(outs)
-    in_axes = tuple(None if d is na else d for d in dims)
-    outs = jax.vmap(partial(_fused_impl, cfg=cfg), in_axes=in_axes)(*args)
-    return outs, [0] * len(outs)
-
-
-_fused_p.def_impl(_fused_impl)
-_fused_p.def_abstract_eval(_fused_abstract)
-ad.primitive_jvps[_fused_p] = _fused_jvp
-batching.primitive_batchers[_fused_p] = _fused_batch
-mlir.register_lowering(_fused_p, mlir.lower_fun(_fused_impl, multiple_results=True))
-
-
-def fused(cfg: Config, a, b, bias, c):
-    """Y, or (Y, Z) when cfg.return_z: the differentiable, batchable fused op."""
-    args = [a, b] + [x for x in (bias, c) if x is not None]
-    outs = _fused_p.bind(*args, cfg=cfg)
-    return tuple(outs) if cfg.return_z else outs[0]
-
-
-# ---------------------------------------------------------------------------
-# backward epilogue
+# regemm_dact: the backward epilogue
 # ---------------------------------------------------------------------------
 
 
@@ -237,30 +358,34 @@ class _DactSpec:
     bias_len: tuple  # (L,) or ()
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _dact_ref(gy, s, *, spec):
+    gz, gbias = reference.dact(gy, s, act=spec.act, leaky_slope=spec.slope, from_y=spec.from_y, bias_kind=spec.bias_kind)
+    return [gz] if gbias is None else [gz, gbias]
+
+
+def _dact_lower(gy, s, *, spec):
+    gz, gbias = _partition.dact(gy, s, act=spec.act, slope=spec.slope, from_y=spec.from_y, bias_kind=spec.bias_kind)
+    return [gz] if gbias is None else [gz, gbias]
+
+
+def _dact_jvp(primals, tangents, *, spec):
+    tangents = [ad.instantiate_zeros(t) for t in tangents]
+    _, t_out = jax.jvp(partial(_dact_ref, spec=spec), tuple(primals), tuple(tangents))
+    return _dact_p.bind(*primals, spec=spec), t_out
+
+
+def _dact_batch(args, dims, *, spec):
+    size = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
+    outs = _dact_p.bind(*[_lead(x, d, size) for x, d in zip(args, dims)], spec=spec)
+    return outs, [0] * len(outs)
+
+
+_dact_p = _primitive("regemm_dact", _dact_ref, _dact_lower)
+ad.primitive_jvps[_dact_p] = _dact_jvp
+batching.primitive_batchers[_dact_p] = _dact_batch
+
+
 def dact(spec: _DactSpec, gy, s):
-    return _ffi.dact(
-        gy,
-        s,
-        act=spec.act,
-        slope=spec.slope,
-        from_y=spec.from_y,
-        bias_kind=spec.bias_kind,
-        bias_len=spec.bias_len[0] if spec.bias_len else 0,
-    )
-
-
-def _reference_dact(spec, gy, s):
-    return reference.dact(gy, s, act=spec.act, leaky_slope=spec.slope, from_y=spec.from_y, bias_kind=spec.bias_kind)
-
-
-def _dact_fwd(spec, gy, s):
-    return dact(spec, gy, s), (gy, s)
-
-
-def _dact_bwd(spec, res, ct):
-    _, vjp = jax.vjp(partial(_reference_dact, spec), *res)
-    return vjp(ct)
-
-
-dact.defvjp(_dact_fwd, _dact_bwd)
+    """(gZ, gBias or None)."""
+    outs = _dact_p.bind(*_same_varying_axes([gy, s]), spec=spec)
+    return (outs[0], outs[1] if len(outs) > 1 else None)

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
-from . import _ops
+from . import _ffi, _ops
 from ._args import _array, prepare
 
 
@@ -117,12 +118,25 @@ def dense(
 
     The leading dims of x fold into the GEMM's M (a reshape, no copy).
     """
-    if getattr(x, "ndim", 2) < 1:
-        raise ValueError(f"x must have rank >= 1 ([..., K]), got shape {jnp.shape(x)}")
+    x, w = _array("x", x), _array("w", w)
+    if x.ndim < 1:
+        raise ValueError(f"x must have rank >= 1 ([..., K]), got shape {x.shape}")
+    if w.ndim != 2:
+        raise ValueError(f"w must have rank 2 ([K, N]), got shape {w.shape}")
+    if b is not None and _array("b", b).ndim != 1:
+        raise ValueError(f"b must have rank 1 ([N]), got shape {b.shape}")
     lead = x.shape[:-1]
     x2 = jnp.reshape(x, (-1, x.shape[-1]))
-    y = gemm_bias_act(
-        x2, w, b, act=act, leaky_slope=leaky_slope, bias_kind=None if b is None else "per_col", save=save,
-        precision=precision,
+    cfg, a, w2, bias, _ = prepare(
+        x2, w, b, None, act=act, leaky_slope=leaky_slope, alpha=1.0, beta=0.0, trans_a=False, trans_b=False,
+        bias_kind=None if b is None else "per_col", save=save, precision=precision, return_z=False,
+        names=("x", "w", "b", "c"),
     )  # fmt: skip
+    y = _ops.fused(cfg, a, w2, bias, None)
     return jnp.reshape(y, lead + (y.shape[-1],))
+
+
+def disabled_export_checks():
+    """The `disabled_checks` that `jax.export.export` needs for a function using jax_regemm:
+    one per custom-call target (versioned names; README, "Export")."""
+    return [jax.export.DisabledSafetyCheck.custom_call(t) for t in _ffi.TARGETS]

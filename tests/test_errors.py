@@ -202,9 +202,9 @@ def test_traced_scalars_rejected(name):
     """alpha, beta and the slope are static attributes: a traced value is a TypeError at trace time."""
     a, b, c = _arr((M, K)), _arr((K, N)), _arr((M, N))
     f = lambda a, b, c, s: rg.gemm_bias_act(a, b, c=c, act="leaky_relu", **{name: s})
-    with pytest.raises(TypeError, match=r"leaky_slope, alpha and beta must be Python numbers"):
+    with pytest.raises(TypeError, match=rf"{name} must be a Python number \(static\), got .*Tracer"):
         jax.jit(f).lower(a, b, c, 0.5)
-    with pytest.raises(TypeError, match=r"must be Python numbers \(static\), not arrays"):
+    with pytest.raises(TypeError, match=rf"{name} must be a Python number \(static\), got ArrayImpl"):
         rg.gemm_bias_act(a, b, c=c, **{name: jnp.ones(3)})
 
 
@@ -255,7 +255,7 @@ def test_dense_bad_input():
     raises_everywhere(ValueError, r"x must have rank >= 1 \(\[\.\.\., K\]\), got shape \(\)", lambda x, w: rg.dense(x, w),
                       _arr(()), _arr((K, N)))  # fmt: skip
     raises_everywhere(ValueError, r"contraction sizes differ", lambda x, w: rg.dense(x, w), _arr((2, K + 1)), _arr((K, N)))
-    raises_everywhere(ValueError, r"bias of shape \(4,\) does not fit bias_kind='per_col'", lambda x, w, b: rg.dense(x, w, b),
+    raises_everywhere(ValueError, r"b of shape \(4,\) does not fit bias_kind='per_col'", lambda x, w, b: rg.dense(x, w, b),
                       _arr((2, K)), _arr((K, N)), _arr((4,)))  # fmt: skip
     raises_everywhere(ValueError, r"unknown activation", lambda x, w: rg.dense(x, w, act="mish"), _arr((2, K)), _arr((K, N)))
 
@@ -271,7 +271,7 @@ def _raw_gemm(a, b, bias, c, out_shape, **attrs):
     base.update(attrs)
     y_t = jax.ShapeDtypeStruct(out_shape, a.dtype)
     z_t = jax.ShapeDtypeStruct((0, 0), a.dtype)
-    return rg._ffi._call("regemm_gemm", (y_t, z_t), a, b, bias, c, **base)  # the raw call, workspace added
+    return rg._ffi._call(rg._ffi.GEMM_TARGET, (y_t, z_t), a, b, bias, c, **base)  # the raw call, workspace added
 
 
 @pytest.mark.parametrize(
@@ -311,7 +311,7 @@ def test_handler_errors_are_errors(case, match):
 def test_dact_handler_errors_are_errors():
     gy, s = _arr((M, N)), _arr((M, N + 1))
     call = lambda gy, s, **kw: rg._ffi._call(
-        "regemm_dact", (jax.ShapeDtypeStruct(gy.shape, gy.dtype), jax.ShapeDtypeStruct((0,), gy.dtype)),
+        rg._ffi.DACT_TARGET, (jax.ShapeDtypeStruct(gy.shape, gy.dtype), jax.ShapeDtypeStruct((0,), gy.dtype)),
         gy, s, slope=np.float64(0.01), bias_kind="none", **kw)  # fmt: skip
     with pytest.raises(jax.errors.JaxRuntimeError, match=r"regemm: Z/Y: shape \[3, 6\] does not fit"):
         jax.block_until_ready(call(gy, s, act="gelu", from_y=False))

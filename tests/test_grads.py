@@ -322,7 +322,7 @@ def _calls(text, target):
 
 
 def _fwd_gemm_calls(text):
-    return [ln for ln in _calls(text, "regemm_gemm") if 'act = "none"' not in ln]
+    return [ln for ln in _calls(text, rg._ffi.GEMM_TARGET) if 'act = "none"' not in ln]
 
 
 @pytest.mark.parametrize(
@@ -348,17 +348,17 @@ def test_save_policy_residuals(rand, act, save, stores_z, from_y, gemms):
     fwd = _fwd_gemm_calls(text)
     assert len(fwd) == 1, fwd
     assert ("store_z = true" in fwd[0]) == stores_z
-    dact = _calls(text, "regemm_dact")
+    dact = _calls(text, rg._ffi.DACT_TARGET)
     assert len(dact) == 1 and (f"from_y = {str(from_y).lower()}" in dact[0])
-    assert len(_calls(text, "regemm_gemm")) == gemms
+    assert len(_calls(text, rg._ffi.GEMM_TARGET)) == gemms
     # and the forward alone (no grad) never stores Z
     text = jax.jit(lambda a, b, bias: rg.gemm_bias_act(a, b, bias, act=act, save=save)).lower(a, b, bias).as_text()
-    assert "store_z = false" in _calls(text, "regemm_gemm")[0]
+    assert "store_z = false" in _calls(text, rg._ffi.GEMM_TARGET)[0]
 
 
 def _compiled_gemms(f, argnums, *args):
     text = jax.jit(jax.grad(f, argnums=argnums)).lower(*args).compile().as_text()
-    return len(_calls(text, "regemm_gemm")), len(_calls(text, "regemm_dact"))
+    return len(_calls(text, rg._ffi.GEMM_TARGET)), len(_calls(text, rg._ffi.DACT_TARGET))
 
 
 @pytest.mark.parametrize("save", ["z", "y", "recompute"])

@@ -17,8 +17,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(regemm_dact_cpu, (regemm::dact_handler<CpuRuntime,
 NB_MODULE(_regemm_cpu, m) {
   m.def("registrations", [] {
     nb::dict d;
-    d["regemm_gemm"] = nb::capsule(reinterpret_cast<void*>(regemm_gemm_cpu));
-    d["regemm_dact"] = nb::capsule(reinterpret_cast<void*>(regemm_dact_cpu));
+    d[regemm::kGemmTarget] = nb::capsule(reinterpret_cast<void*>(regemm_gemm_cpu));
+    d[regemm::kDactTarget] = nb::capsule(reinterpret_cast<void*>(regemm_dact_cpu));
     return d;
   });
   m.def("kernels", [] { return regemm::kernels_by_op<CpuRuntime>(); });

@@ -32,16 +32,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(regemm_dact_cuda,
 NB_MODULE(_regemm_cuda, m) {
   m.def("registrations", [] {
     nb::dict d;
-    d["regemm_gemm"] = nb::capsule(reinterpret_cast<void*>(regemm_gemm_cuda));
-    d["regemm_dact"] = nb::capsule(reinterpret_cast<void*>(regemm_dact_cuda));
+    d[regemm::kGemmTarget] = nb::capsule(reinterpret_cast<void*>(regemm_gemm_cuda));
+    d[regemm::kDactTarget] = nb::capsule(reinterpret_cast<void*>(regemm_dact_cuda));
     return d;
   });
   // The targets whose handlers are CUDA-graph safe. XLA learns the trait from
   // the registration call, not from the handler, so Python passes it along.
   m.def("command_buffer_compatible", [] {
     nb::list names;
-    names.append("regemm_gemm");
-    names.append("regemm_dact");
+    names.append(regemm::kGemmTarget);
+    names.append(regemm::kDactTarget);
     return names;
   });
   // Workspace bytes of a call (workspace.h); dtype by its NumPy name.

@@ -1,0 +1,285 @@
+"""Partitioning rules of the two FFI calls, for jit over a mesh.
+
+A custom call is opaque to XLA's partitioner: without a rule every device
+gathers its operands and runs the whole call. Each call here is wrapped in
+`jax.experimental.custom_partitioning` with a Shardy rule naming its factors
+(batch dims, M, K, N) and a partition callback that keeps the work local:
+
+- gemm: batch, M or N sharded -> the local GEMM with the whole epilogue, no
+  collective. K sharded (on both operands alike) -> local partial products,
+  their sum over K's mesh axes (psum), then beta*C + bias and the activation,
+  which must see the reduced Z. The output is sharded as the batch, M and N
+  were; this is what XLA does for plain `act(x @ w + b)`.
+- dact: batch, M or N sharded -> local gZ; the bias gradient's local sums are
+  summed over the mesh axes of the dims the bias kind reduces.
+
+On one device, and inside shard_map (every axis manual), the wrapper lowers
+the local function directly: nothing changes there. Operands and results use
+the canonical forms of _ffi (every operand with the same batch rank; a
+batch dim of size 1 is broadcast by stride and never sharded).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from . import _ffi, reference
+
+# ---------------------------------------------------------------------------
+# specs
+# ---------------------------------------------------------------------------
+
+
+def _axes(entry):
+    """A PartitionSpec entry as a tuple of mesh axis names (() when not sharded)."""
+    if entry is None:
+        return ()
+    return tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
+
+
+def _entry(axes):
+    return None if not axes else axes[0] if len(axes) == 1 else tuple(axes)
+
+
+def _spec_of(shape_info, rank):
+    sharding = getattr(shape_info, "sharding", None)
+    spec = tuple(sharding.spec) if isinstance(sharding, NamedSharding) else ()
+    return [_axes(e) for e in spec + (None,) * (rank - len(spec))]
+
+
+def _dedupe(entries):
+    """Each mesh axis shards one factor at most: later factors lose a clash."""
+    used, out = set(), []
+    for axes in entries:
+        if set(axes) & used:
+            axes = ()
+        used |= set(axes)
+        out.append(axes)
+    return out
+
+
+def _batch_specs(shapes, specs, nb):
+    """Per batch dim: the axes of the first operand that has it at full size (size-1 dims are broadcast)."""
+    out = []
+    for i in range(nb):
+        full = max(s[i] for s in shapes)
+        out.append(next((sp[i] for s, sp in zip(shapes, specs) if s[i] == full and full != 1), ()))
+    return out
+
+
+def _operand_spec(shape, batch, tail):
+    """Spec of an operand: the batch axes where its dim is not broadcast, then its own dims."""
+    nb = len(batch)
+    return P(*[_entry(b) if shape[i] != 1 else None for i, b in enumerate(batch)], *[_entry(t) for t in tail])
+
+
+def _sharding_rule_factors(shapes, nb, tails, out_tails):
+    """A Shardy rule string: batch dims as b<i> (u<j> where an operand broadcasts a size-1 dim)."""
+    u = 0
+    ops = []
+    for shape, tail in zip(shapes, tails):
+        dims = []
+        for i in range(nb):
+            if shape[i] == 1 and max(s[i] for s in shapes) != 1:
+                dims.append(f"u{u}")
+                u += 1
+            else:
+                dims.append(f"b{i}")
+        ops.append(" ".join(dims + list(tail)))
+    outs = [" ".join([f"b{i}" for i in range(nb)] + list(t)) for t in out_tails]
+    return ", ".join(ops) + " -> " + ", ".join(outs)
+
+
+# ---------------------------------------------------------------------------
+# gemm
+# ---------------------------------------------------------------------------
+# Static description of one call: the FFI attributes, which optional operands
+# are present, and the operands' shapes (the rule names their dims).
+
+
+def _gemm_tails(attrs, shapes):
+    ta, tb = attrs["trans_a"], attrs["trans_b"]
+    tails = [("k", "m") if ta else ("m", "k"), ("n", "k") if tb else ("k", "n")]
+    if attrs["has_bias"]:
+        tails.append({"per_col": ("n",), "per_row": ("m",), "scalar": ("s",)}[attrs["bias_kind"]])
+    if attrs["has_c"]:
+        tails.append(("m", "n"))
+    return tails
+
+
+def _gemm_local(attrs, *args):
+    a, b, *rest = args
+    bias = rest.pop(0) if attrs["has_bias"] else None
+    c = rest.pop(0) if attrs["has_c"] else None
+    y, z = _ffi.gemm(a, b, bias, c, **_gemm_ffi_attrs(attrs))
+    return (y, z) if attrs["store_z"] else y
+
+
+def _gemm_ffi_attrs(attrs):
+    keys = ("act", "slope", "alpha", "beta", "trans_a", "trans_b", "bias_kind", "store_z", "exact_f32")
+    return {k: attrs[k] for k in keys}
+
+
+def _gemm_plan(attrs, mesh, arg_infos):
+    """(arg specs, output spec, K's mesh axes)."""
+    shapes = [tuple(x.shape) for x in arg_infos]
+    nb = len(shapes[0]) - 2
+    specs = [_spec_of(x, len(s)) for x, s in zip(arg_infos, shapes)]
+    sa, sb = specs[0], specs[1]
+    ta, tb = attrs["trans_a"], attrs["trans_b"]
+    m, ka = (sa[-1], sa[-2]) if ta else (sa[-2], sa[-1])
+    kb, n = (sb[-1], sb[-2]) if tb else (sb[-2], sb[-1])
+    k = ka if ka == kb else ()  # operands that disagree on K: K is gathered
+    batch = _batch_specs(shapes, specs, nb)
+    *batch, m, n, k = _dedupe(batch + [m, n, k])
+    named = {"m": m, "n": n, "k": k, "s": ()}
+    arg_specs = [_operand_spec(s, batch, [named[f] for f in t]) for s, t in zip(shapes, _gemm_tails(attrs, shapes))]
+    out_spec = P(*[_entry(x) for x in batch], _entry(m), _entry(n))
+    return arg_specs, out_spec, k
+
+
+def _gemm_partition(attrs, mesh, arg_infos, result_infos):
+    arg_specs, out_spec, k = _gemm_plan(attrs, mesh, arg_infos)
+    n_out = 2 if attrs["store_z"] else 1
+    out_shardings = tuple([NamedSharding(mesh, out_spec)] * n_out)
+    arg_shardings = tuple(NamedSharding(mesh, s) for s in arg_specs)
+    lower = partial(_gemm_local, attrs) if not k else partial(_gemm_k_sharded, attrs, k)
+    return mesh, lower, out_shardings if n_out == 2 else out_shardings[0], arg_shardings
+
+
+def _gemm_infer(attrs, mesh, arg_infos, result_infos):
+    _, out_spec, _ = _gemm_plan(attrs, mesh, arg_infos)
+    s = NamedSharding(mesh, out_spec)
+    return (s, s) if attrs["store_z"] else s
+
+
+def _gemm_k_sharded(attrs, k_axes, *args):
+    """K split over k_axes: local products, their sum, then the epilogue (it must see the whole Z)."""
+    a, b, *rest = args
+    bias = rest.pop(0) if attrs["has_bias"] else None
+    c = rest.pop(0) if attrs["has_c"] else None
+    plain = dict(_gemm_ffi_attrs(attrs), act="none", beta=0.0, bias_kind="none", store_z=False)
+    partial_z, _ = _ffi.gemm(a, b, None, None, **plain)
+    acc = reference._acc_dtype(a.dtype)
+    z = jax.lax.psum(partial_z.astype(acc), k_axes)
+    if c is not None:
+        z = z + attrs["beta"] * c.astype(acc)
+    if bias is not None:
+        z = z + bias_broadcast(bias.astype(acc), attrs["bias_kind"])
+    y = reference.act_fwd(attrs["act"], z, attrs["slope"]).astype(a.dtype)
+    return (y, z.astype(a.dtype)) if attrs["store_z"] else y
+
+
+def bias_broadcast(bias, kind):
+    """A canonical bias [..., L] as an array that broadcasts against [..., M, N]."""
+    return bias[..., None, :] if kind == "per_col" else bias[..., :, None]  # per_row; scalar: L = 1
+
+
+def _gemm_rule(attrs, mesh, value_types, result_types):
+    shapes = attrs["shapes"]
+    nb = len(shapes[0]) - 2
+    n_out = 2 if attrs["store_z"] else 1
+    return _sharding_rule_factors(shapes, nb, _gemm_tails(attrs, shapes), [("m", "n")] * n_out)
+
+
+_gemm_cp = custom_partitioning(lambda attrs, *args: _gemm_local(attrs, *args), static_argnums=(0,))
+_gemm_cp.def_partition(
+    partition=_gemm_partition, infer_sharding_from_operands=_gemm_infer, sharding_rule=_gemm_rule
+)
+
+
+class _Attrs(dict):
+    """The static attributes: a dict that hashes (custom_partitioning's static argument)."""
+
+    def __hash__(self):
+        return hash(tuple(sorted((k, v) for k, v in self.items())))
+
+
+def gemm(a, b, bias, c, **attrs):
+    """_ffi.gemm, partitioned over the mesh: (Y, Z or None)."""
+    args = [a, b] + [x for x in (bias, c) if x is not None]
+    attrs = _Attrs(attrs, has_bias=bias is not None, has_c=c is not None, shapes=tuple(tuple(x.shape) for x in args))
+    out = _gemm_cp(attrs, *args)
+    return tuple(out) if attrs["store_z"] else (out, None)
+
+
+# ---------------------------------------------------------------------------
+# dact
+# ---------------------------------------------------------------------------
+
+
+def _dact_local(attrs, gy, s):
+    kind = attrs["bias_kind"]
+    bias_len = {"per_col": gy.shape[-1], "per_row": gy.shape[-2], "scalar": 1}.get(kind, 0)  # of this shard
+    gz, gbias = _ffi.dact(gy, s, bias_len=bias_len, **_dact_ffi_attrs(attrs))
+    return (gz, gbias) if attrs["bias_kind"] != "none" else gz
+
+
+def _dact_ffi_attrs(attrs):
+    return {k: attrs[k] for k in ("act", "slope", "from_y", "bias_kind")}
+
+
+_BIAS_TAIL = {"per_col": ("n",), "per_row": ("m",), "scalar": ("s",)}
+_REDUCED = {"per_col": ("m",), "per_row": ("n",), "scalar": ("m", "n")}  # the dims the bias gradient sums over
+
+
+def _dact_plan(attrs, mesh, arg_infos):
+    shapes = [tuple(x.shape) for x in arg_infos]
+    nb = len(shapes[0]) - 2
+    specs = [_spec_of(x, len(s)) for x, s in zip(arg_infos, shapes)]
+    m = specs[0][-2] if specs[0][-2] == specs[1][-2] else ()
+    n = specs[0][-1] if specs[0][-1] == specs[1][-1] else ()
+    batch = _batch_specs(shapes, specs, nb)
+    *batch, m, n = _dedupe(batch + [m, n])
+    named = {"m": m, "n": n, "s": ()}
+    arg_specs = [_operand_spec(s, batch, [m, n]) for s in shapes]
+    gz_spec = P(*[_entry(x) for x in batch], _entry(m), _entry(n))
+    kind = attrs["bias_kind"]
+    gb_spec = None if kind == "none" else P(*[_entry(x) for x in batch], _entry(named[_BIAS_TAIL[kind][0]]))
+    reduce_axes = () if kind == "none" else sum((named[d] for d in _REDUCED[kind]), ())
+    return arg_specs, gz_spec, gb_spec, reduce_axes
+
+
+def _dact_partition(attrs, mesh, arg_infos, result_infos):
+    arg_specs, gz_spec, gb_spec, reduce_axes = _dact_plan(attrs, mesh, arg_infos)
+
+    def lower(gy, s):
+        out = _dact_local(attrs, gy, s)
+        if gb_spec is None:
+            return out
+        gz, gbias = out
+        if reduce_axes:  # local sums of the bias gradient: the whole sum spans the devices along those dims
+            acc = reference._acc_dtype(gbias.dtype)
+            gbias = jax.lax.psum(gbias.astype(acc), reduce_axes).astype(gbias.dtype)
+        return gz, gbias
+
+    outs = NamedSharding(mesh, gz_spec) if gb_spec is None else (NamedSharding(mesh, gz_spec), NamedSharding(mesh, gb_spec))
+    return mesh, lower, outs, tuple(NamedSharding(mesh, s) for s in arg_specs)
+
+
+def _dact_infer(attrs, mesh, arg_infos, result_infos):
+    _, gz_spec, gb_spec, _ = _dact_plan(attrs, mesh, arg_infos)
+    return NamedSharding(mesh, gz_spec) if gb_spec is None else (NamedSharding(mesh, gz_spec), NamedSharding(mesh, gb_spec))
+
+
+def _dact_rule(attrs, mesh, value_types, result_types):
+    shapes = attrs["shapes"]
+    nb = len(shapes[0]) - 2
+    outs = [("m", "n")] + ([_BIAS_TAIL[attrs["bias_kind"]]] if attrs["bias_kind"] != "none" else [])
+    return _sharding_rule_factors(shapes, nb, [("m", "n"), ("m", "n")], outs)
+
+
+_dact_cp = custom_partitioning(lambda attrs, gy, s: _dact_local(attrs, gy, s), static_argnums=(0,))
+_dact_cp.def_partition(partition=_dact_partition, infer_sharding_from_operands=_dact_infer, sharding_rule=_dact_rule)
+
+
+def dact(gy, s, **attrs):
+    """_ffi.dact, partitioned over the mesh: (gZ, gBias or None)."""
+    attrs = _Attrs(attrs, shapes=(tuple(gy.shape), tuple(s.shape)))
+    out = _dact_cp(attrs, gy, s)
+    return tuple(out) if attrs["bias_kind"] != "none" else (out, None)
