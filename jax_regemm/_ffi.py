@@ -96,14 +96,17 @@ def _call_batch(args, dims, *, target, results, attrs):
 _WORKSPACE_DTYPES = ("float32", "float64", "bfloat16", "float16")
 
 
-def _static(target, *dims):
-    """The dims as ints; a symbolic one (jax.export) cannot size the workspace."""
+def _sized(target, size_of, *dims):
+    """size_of(*dims); a symbolic dim (jax.export) may be among them only if the size does not depend on it."""
     if all(isinstance(d, (int, np.integer)) for d in dims):
-        return dims
+        return size_of(*dims)
+    sizes = {size_of(*[d if isinstance(d, (int, np.integer)) else probe for d in dims]) for probe in (1, 2)}
+    if len(sizes) == 1:
+        return sizes.pop()
     raise ValueError(
-        f"jax_regemm: {target} on CUDA sizes its workspace from static dims, got {dims}: export for CUDA with "
-        "symbolic dims only where they are batch rows of a forward GEMM (x's leading dims), not through the "
-        "backward's bias gradient (regemm_dact) nor in the weight's shape"
+        f"jax_regemm: {target} on CUDA sizes its workspace from these dims, which must be static: {dims}. "
+        "Export for CUDA with symbolic dims where the workspace does not depend on them: the rows of a GEMM "
+        "(x's leading dims) except in an f32 x @ w at default precision; not M or N where a bias gradient is taken"
     )
 
 
@@ -115,16 +118,16 @@ def _workspace_bytes(platform, target, avals_in, attrs):
         a, b = avals_in[:2]
         nb = a.ndim - 2
         k, n = (b.shape[-1], b.shape[-2]) if attrs["trans_b"] else (b.shape[-2], b.shape[-1])
-        k, n, batch_b = _static(target, k, n, math.prod(b.shape[:nb]))
-        return _regemm_cuda.gemm_workspace_bytes(
+        size = lambda k, n, batch_b: _regemm_cuda.gemm_workspace_bytes(
             np.dtype(a.dtype).name, k, n, batch_b, attrs["trans_a"], attrs["trans_b"], attrs["exact_f32"]
         )
+        return _sized(target, size, k, n, math.prod(b.shape[:nb]))
     gy = avals_in[0]
     if attrs["bias_kind"] == "none":
         return 0  # the partial bias sums are the whole workspace
     batch = math.prod(jnp.broadcast_shapes(gy.shape[:-2], avals_in[1].shape[:-2]))
-    m, n, batch = _static(target, gy.shape[-2], gy.shape[-1], batch)
-    return _regemm_cuda.dact_workspace_bytes(np.dtype(gy.dtype).name, m, n, batch, attrs["bias_kind"])
+    size = lambda m, n, batch: _regemm_cuda.dact_workspace_bytes(np.dtype(gy.dtype).name, m, n, batch, attrs["bias_kind"])
+    return _sized(target, size, gy.shape[-2], gy.shape[-1], batch)
 
 
 def _call_lowering(platform):

@@ -219,10 +219,11 @@ print("RESULT" + json.dumps(out))
 
 
 @pytest.fixture(scope="module")
-def sharded(request):
+def sharded(request, tmp_path_factory):
     seed = int.from_bytes(request.node.nodeid.encode()[:4], "little") % 1000
     env = dict(os.environ, SEED=str(seed))
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True, env=env, timeout=600)
+    proc = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True, env=env, timeout=600,
+                          cwd=tmp_path_factory.mktemp("sharded"))  # the installed package, not the source tree  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.split("RESULT")[-1])
 

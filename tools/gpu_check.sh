@@ -210,7 +210,8 @@ tests_line="$(grep -E ' in [0-9.]+s' "$OUT/pytest.log" 2>/dev/null | head -1)"
 big_line="$(grep -E ' in [0-9.]+s' "$OUT/pytest.log" 2>/dev/null | sed -n 2p)"
 {
   echo "===== gpu_check summary ====="
-  echo "commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --quiet HEAD -- ffi tools tests jax_regemm 2>/dev/null || echo ' (with uncommitted changes)')"
+  # GPU_CHECK_COMMIT: the commit the tree was sent from, where .git did not travel with it.
+  echo "commit: ${GPU_CHECK_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --quiet HEAD -- ffi tools tests jax_regemm 2>/dev/null || echo ' (with uncommitted changes)')}"
   echo "device: $(head -2 "$OUT/env.log" | tail -1)"
   echo "build: $([ $build_rc -eq 0 ] && echo ok || echo "FAILED (rc=$build_rc, see build.log)") in ${build_s}s"
   if [ "$PARTS" = sanitizers ]; then
