@@ -148,7 +148,7 @@ def _gemm_partition(attrs, mesh, arg_infos, result_infos):
     n_out = 2 if attrs["store_z"] else 1
     out_shardings = tuple([NamedSharding(mesh, out_spec)] * n_out)
     arg_shardings = tuple(NamedSharding(mesh, s) for s in arg_specs)
-    lower = partial(_gemm_local, attrs) if not k else partial(_gemm_k_sharded, attrs, k)
+    lower = partial(_gemm_local, attrs) if not k else _no_context_mesh(partial(_gemm_k_sharded, attrs, k))
     return mesh, lower, out_shardings if n_out == 2 else out_shardings[0], arg_shardings
 
 
@@ -156,6 +156,21 @@ def _gemm_infer(attrs, mesh, arg_infos, result_infos):
     _, out_spec, _ = _gemm_plan(attrs, mesh, arg_infos)
     s = NamedSharding(mesh, out_spec)
     return (s, s) if attrs["store_z"] else s
+
+
+def _no_context_mesh(fn):
+    """fn traced without the caller's mesh: the partition callback runs while the program's
+    jit compiles, inside its `jax.set_mesh`, and under Explicit axes (jax 0.11) the psum's
+    reduction region then carried sharding annotations that XLA's all-reduce rejects."""
+
+    def traced(*args):
+        with jax.sharding.use_abstract_mesh(_EMPTY_MESH):
+            return fn(*args)
+
+    return traced
+
+
+_EMPTY_MESH = jax.sharding.AbstractMesh((), ())
 
 
 def _gemm_k_sharded(attrs, k_axes, *args):
@@ -259,7 +274,7 @@ def _dact_partition(attrs, mesh, arg_infos, result_infos):
         return gz, gbias
 
     outs = NamedSharding(mesh, gz_spec) if gb_spec is None else (NamedSharding(mesh, gz_spec), NamedSharding(mesh, gb_spec))
-    return mesh, lower, outs, tuple(NamedSharding(mesh, s) for s in arg_specs)
+    return mesh, _no_context_mesh(lower), outs, tuple(NamedSharding(mesh, s) for s in arg_specs)
 
 
 def _dact_infer(attrs, mesh, arg_infos, result_infos):
