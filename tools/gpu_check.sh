@@ -9,17 +9,19 @@
 #      command buffers off ("plain") and once with every regemm call captured
 #      into a CUDA graph ("graphs"), and over the two harnesses below.
 #
-# What racecheck and initcheck cannot cover, and how it is covered instead:
-# they do not see stores by Hopper's copy engine (TMA), through which the sm90
-# GEMMs of CUTLASS and cuBLASLt write their output: initcheck reports every
-# later read of it, racecheck stops with an internal error. Measured on the
-# mechanism alone by tools/tma_sanitizer_repro.cu, run here under each tool
-# (its counts are in the summary). So under those two tools the workload runs
-# its GEMMs on the SIMT kernel (REGEMM_BACKEND=cuda_simt: the TMA GEMMs are the
-# exclusion, named in the summary), and the epilogue pass, which reads their
-# output in the product, runs in tools/sanitize_pass.cu over inputs copied from
-# the host. memcheck runs the workload with every backend, and in plain mode
-# the tuner runs every way it times.
+# What racecheck and initcheck cannot cover, and how it is covered instead.
+# The sm90 GEMMs of CUTLASS and cuBLASLt store their output through Hopper's
+# copy engine (TMA), and initcheck does not see such stores: it reports every
+# later read. Shown on the mechanism alone by tools/tma_sanitizer_repro.cu,
+# run here under each tool (its counts are in the summary). racecheck fails
+# with an internal error in any process that runs those kernels, even with
+# them left uninstrumented by name (results/h100_gpu_check_summary.txt; the
+# repro's single TMA copy does not set it off). So under those two tools the
+# workload runs its GEMMs on the SIMT kernel (REGEMM_BACKEND=cuda_simt: the TMA
+# GEMMs are the exclusion, named in the summary), and the epilogue pass, which
+# reads their output in the product, runs in tools/sanitize_pass.cu over
+# inputs copied from the host. memcheck runs the workload with every backend,
+# and in plain mode the tuner runs every way it times.
 #
 # Full logs go to $OUT (default ./gpu_check_out): env.log, build.log,
 # pytest.log, sanitizer_{memcheck,racecheck,initcheck}.log, tma_repro.log,
@@ -237,7 +239,8 @@ big_line="$(grep -E ' in [0-9.]+s' "$OUT/pytest.log" 2>/dev/null | sed -n 2p)"
     printf '%s' "$san_summary" | sed 's/^/  /'
     echo "  excluded under racecheck and initcheck: the GEMM kernels that store through TMA (CUTLASS sm90"
     echo "  cutlass::device_kernel<...>, cuBLASLt's sm90 kernels): the workload runs REGEMM_BACKEND=cuda_simt there."
-    echo "  Why, tools/tma_sanitizer_repro.cu: one tile written by each writer, then read by a plain kernel:"
+    echo "  Why: initcheck does not see TMA stores (below); racecheck fails in a process running those kernels"
+    echo "  (results/h100_gpu_check_summary.txt). tools/tma_sanitizer_repro.cu, one tile per writer, read by a plain kernel:"
     printf '%s' "$repro_summary" | sed 's/^/    /'
   else
     echo "sanitizers: not run ($([ "$PARTS" = tests ] && echo GPU_CHECK_PARTS=tests || echo "${SAN:-compute-sanitizer not found}; build rc=$build_rc"))"

@@ -11,8 +11,9 @@ included), batches, K = 0 and M = 0.
 
 Under racecheck and initcheck every GEMM runs on the SIMT kernel
 (REGEMM_BACKEND=cuda_simt): the sm90 GEMMs of CUTLASS and cuBLASLt store their
-output through the copy engine (TMA), which those two tools do not see
-(tools/tma_sanitizer_repro.cu; tools/gpu_check.sh runs it). Everything else,
+output through the copy engine (TMA), which initcheck does not see
+(tools/tma_sanitizer_repro.cu), and racecheck fails in a process that runs
+them (tools/gpu_check.sh says more). Everything else,
 the backward epilogue on 16-byte rows of bf16 and f16 included, runs under all
 three tools; the epilogue pass that reads the TMA GEMMs' output runs alone in
 tools/sanitize_pass.cu.
