@@ -68,6 +68,15 @@ def test_jvp_of_the_z_output_and_hessian(x64, rand):
     assert_rel(h, hr, DT)
 
 
+def test_checkpoint(x64, rand):
+    """jax.checkpoint around a layer: gradients as the reference's."""
+    x, w, b, _ = rand.operands(M, N, K, DT, bias_shape=(N,))
+    f = jax.checkpoint(lambda x, w, b: jnp.sum(jnp.sin(rg.dense(x, w, b, act="silu"))))
+    r = lambda x, w, b: jnp.sum(jnp.sin(R.dense(x, w, b, act="silu")))
+    for g, gr in zip(jax.grad(f, argnums=(0, 1, 2))(x, w, b), jax.grad(r, argnums=(0, 1, 2))(x, w, b)):
+        assert_rel(g, gr, DT)
+
+
 def test_grad_computes_only_what_is_asked(rand):
     """grad with respect to w alone: the forward, the dact pass without a bias gradient, one wgrad GEMM."""
     x, w, b, _ = rand.operands(M, N, K, jnp.float32, bias_shape=(N,))
