@@ -151,7 +151,7 @@ def _fused_jvp(primals, tangents, *, cfg):
 ad.primitive_jvps[_fused_p] = _fused_jvp
 
 
-def _lead(x, d, size):
+def _lead(x, d):
     """x with its batched dim (d) first, or a broadcast (size-1) leading dim where it has none."""
     return jnp.expand_dims(x, 0) if d is None else jnp.moveaxis(x, d, 0)
 
@@ -176,8 +176,7 @@ def _fused_batch(args, dims, *, cfg):
         outs = _fused_p.bind(*args2, cfg=cfg)
         return [o.reshape(nbat, m, o.shape[-1]) for o in outs], [0] * len(outs)
     # Otherwise one more leading batch dim: an operand without it gets a size-1 dim, read by stride.
-    size = next(x.shape[d] for x, d in zip(args, dims) if d is not na)
-    args2 = [_lead(x, d, size) for x, d in zip(args, dims)]
+    args2 = [_lead(x, d) for x, d in zip(args, dims)]
     _, _, bias2, c2 = _split(cfg, args2)
     cfg = dataclasses.replace(
         cfg, bias_shape=() if bias2 is None else tuple(bias2.shape), c_shape=() if c2 is None else tuple(c2.shape)
@@ -375,8 +374,7 @@ def _dact_jvp(primals, tangents, *, spec):
 
 
 def _dact_batch(args, dims, *, spec):
-    size = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
-    outs = _dact_p.bind(*[_lead(x, d, size) for x, d in zip(args, dims)], spec=spec)
+    outs = _dact_p.bind(*[_lead(x, d) for x, d in zip(args, dims)], spec=spec)
     return outs, [0] * len(outs)
 
 
