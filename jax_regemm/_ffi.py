@@ -1,9 +1,10 @@
 """The XLA FFI custom calls, registered once per platform, and their raw calls.
 
 Both platforms export the same targets, GEMM_TARGET and DACT_TARGET
-(versioned names, ffi/regemm/module_util.h: what jax.export records). Each call is bound as the primitive `regemm_call`, whose lowering
-adds one result the program never sees: the handler's device workspace, sized
-per platform (0 bytes on the CPU; on the GPU the CUDA module says how much,
+(versioned names, ffi/regemm/module_util.h: what jax.export records). Each
+call is bound as the primitive `regemm_call`, whose lowering adds one result
+the program never sees: the handler's device workspace, sized per platform
+(0 bytes on the CPU; on the GPU the CUDA module says how much,
 ffi/cuda/workspace.h). XLA allocates it like any temporary, so it stays valid
 when XLA captures the call into a CUDA graph and replays it.
 Batching: operands carry leading batch dims and vmap adds more ("expand_dims":

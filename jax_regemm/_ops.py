@@ -100,12 +100,9 @@ def _fused_ref(*args, cfg):
         _op(a, cfg.trans_a), _op(b, cfg.trans_b), precision=_precision(cfg), preferred_element_type=acc,
         out_sharding=cfg.out_sharding,
     )  # fmt: skip
-    if c is not None:
-        z = z + cfg.beta * c.astype(acc)
-    if bias is not None:  # canonical [..., L]
-        z = z + _partition.bias_broadcast(bias.astype(acc), cfg.bias_kind)
-    y = reference.act_fwd(cfg.act, z, cfg.slope).astype(a.dtype)
-    return [y, z.astype(a.dtype)] if cfg.return_z else [y]
+    y, z = _partition.epilogue(z, bias, c, act=cfg.act, slope=cfg.slope, beta=cfg.beta, bias_kind=cfg.bias_kind,
+                               dtype=a.dtype)  # fmt: skip
+    return [y, z] if cfg.return_z else [y]
 
 
 def _fused_lower(*args, cfg):

@@ -180,14 +180,21 @@ def _gemm_k_sharded(attrs, k_axes, *args):
     c = rest.pop(0) if attrs["has_c"] else None
     plain = dict(_gemm_ffi_attrs(attrs), act="none", beta=0.0, bias_kind="none", store_z=False)
     partial_z, _ = _ffi.gemm(a, b, None, None, **plain)
-    acc = reference._acc_dtype(a.dtype)
-    z = jax.lax.psum(partial_z.astype(acc), k_axes)
+    z = jax.lax.psum(partial_z.astype(reference._acc_dtype(a.dtype)), k_axes)
+    y, z = epilogue(z, bias, c, act=attrs["act"], slope=attrs["slope"], beta=attrs["beta"],
+                    bias_kind=attrs["bias_kind"], dtype=a.dtype)  # fmt: skip
+    return (y, z) if attrs["store_z"] else y
+
+
+def epilogue(z, bias, c, *, act, slope, beta, bias_kind, dtype):
+    """(Y, Z) in `dtype` from alpha op(A) op(B) in the accumulation type, with the
+    canonical operands (bias [..., L] or None, C or None): the kernels' epilogue in
+    plain JAX, for the K-sharded partition and the op's reference (_ops)."""
     if c is not None:
-        z = z + attrs["beta"] * c.astype(acc)
+        z = z + beta * c.astype(z.dtype)
     if bias is not None:
-        z = z + bias_broadcast(bias.astype(acc), attrs["bias_kind"])
-    y = reference.act_fwd(attrs["act"], z, attrs["slope"]).astype(a.dtype)
-    return (y, z.astype(a.dtype)) if attrs["store_z"] else y
+        z = z + bias_broadcast(bias.astype(z.dtype), bias_kind)
+    return reference.act_fwd(act, z, slope).astype(dtype), z.astype(dtype)
 
 
 def bias_broadcast(bias, kind):
