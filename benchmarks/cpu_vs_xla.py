@@ -1,40 +1,78 @@
-"""CPU: jax_regemm vs XLA's own act(x @ w + b), same process, median of repeats.
+"""CPU: jax_regemm's dense layer against XLA's own act(x @ w + b), one process.
 
-    python benchmarks/cpu_vs_xla.py [--size 512] [--acts relu,gelu]
+For each shape (M x K x N), dtype and activation: the jitted forward, and the
+jitted forward+backward (grad of sum(y**2) with respect to x, w and b). Our
+runs and XLA's alternate, so both see the same machine state; the figure is
+the median wall time (on the CPU the call blocks until the result is ready).
+
+    python benchmarks/cpu_vs_xla.py [--shapes 512x512x512,...] [--dtypes float32,bfloat16]
+        [--acts none,relu,...] [--repeats 15] [--json results/cpu_vs_xla.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import platform
+import statistics
+import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import jax_regemm as rg
-from devtime import host_median_ms as median_ms
+
+ACTS = "none,relu,leaky_relu,gelu,gelu_erf,sigmoid,tanh,silu"
+
+
+def paired_median_ms(f_ours, f_xla, args, repeats):
+    for _ in range(3):
+        jax.block_until_ready(f_ours(*args))
+        jax.block_until_ready(f_xla(*args))
+    ours, xla = [], []
+    for _ in range(repeats):
+        for f, ts in ((f_ours, ours), (f_xla, xla)):
+            t0 = time.perf_counter()
+            jax.block_until_ready(f(*args))
+            ts.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(ours), 1e3 * statistics.median(xla)
 
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--size", type=int, default=512)
-    p.add_argument("--acts", default="none,relu,gelu,sigmoid,silu")
+    p.add_argument("--shapes", default="512x512x512,2048x1024x1024,256x4096x1024")
+    p.add_argument("--dtypes", default="float32,bfloat16")
+    p.add_argument("--acts", default=ACTS)
+    p.add_argument("--repeats", type=int, default=15)
+    p.add_argument("--json")
     args = p.parse_args()
-    n = args.size
-    k = jax.random.split(jax.random.PRNGKey(0), 3)
-    x = jax.random.normal(k[0], (n, n), jnp.float32)
-    w = jax.random.normal(k[1], (n, n), jnp.float32) / np.sqrt(n)
-    b = jax.random.normal(k[2], (n,), jnp.float32)
-    print(f"device: {jax.devices()[0]}  M=K=N={n} f32")
-    print("| act | mode | regemm ms | xla ms | regemm/xla |")
-    print("| --- | --- | --- | --- | --- |")
-    for act in args.acts.split(","):
-        ours = jax.jit(lambda x, w, b: rg.dense(x, w, b, act=act))
-        xla = jax.jit(lambda x, w, b: rg.reference.dense(x, w, b, act=act))
-        loss = lambda f: jax.jit(jax.grad(lambda x, w, b: jnp.sum(f(x, w, b) ** 2), argnums=(0, 1, 2)))
-        for mode, fo, fx in (("fwd", ours, xla), ("fwd+bwd", loss(ours), loss(xla))):
-            to, tx = median_ms(fo, x, w, b), median_ms(fx, x, w, b)
-            print(f"| {act} | {mode} | {to:.3f} | {tx:.3f} | {to / tx:.2f} |")
+    print(f"device: {jax.devices()[0]}  cpu: {platform.processor() or platform.machine()}  jax {jax.__version__}")
+    print("| M x K x N | dtype | act | mode | regemm ms | xla ms | speed-up (xla/regemm) |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    records = []
+    for shape in args.shapes.split(","):
+        m, k, n = map(int, shape.split("x"))
+        keys = jax.random.split(jax.random.PRNGKey(0), 3)
+        for dtype in args.dtypes.split(","):
+            x = jax.random.normal(keys[0], (m, k), dtype)
+            w = (jax.random.normal(keys[1], (k, n)) / np.sqrt(k)).astype(dtype)
+            b = jax.random.normal(keys[2], (n,), dtype)
+            for act in args.acts.split(","):
+                ours = lambda x, w, b: rg.dense(x, w, b, act=act)
+                xla = lambda x, w, b: rg.reference.dense(x, w, b, act=act)
+                grad = lambda f: jax.grad(lambda x, w, b: jnp.sum(f(x, w, b).astype(jnp.float32) ** 2), (0, 1, 2))
+                for mode, fo, fx in (("fwd", ours, xla), ("fwd+bwd", grad(ours), grad(xla))):
+                    to, tx = paired_median_ms(jax.jit(fo), jax.jit(fx), (x, w, b), args.repeats)
+                    print(f"| {shape} | {dtype} | {act} | {mode} | {to:.3f} | {tx:.3f} | {tx / to:.2f} |", flush=True)
+                    records.append(dict(shape=shape, dtype=dtype, act=act, mode=mode, regemm_ms=to, xla_ms=tx,
+                                        speedup=tx / to))
+    sp = [r["speedup"] for r in records]
+    print(f"\nspeed-up: geo-mean {np.exp(np.mean(np.log(sp))):.2f}, min {min(sp):.2f}, max {max(sp):.2f}, "
+          f"cells below 1.0: {sum(s < 1.0 for s in sp)} of {len(sp)}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(device=str(jax.devices()[0]), jax=jax.__version__, records=records), f, indent=1)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,10 @@ try:  # public in the JAX versions this targets; the private path is a fallback
 except ImportError:  # pragma: no cover
     from jax._src.core import ShapedArray
 
-from . import _regemm_cpu
+from . import _onednn
+
+_onednn.preload()  # the CPU extension links libdnnl.so.3 from the onednn-cpu-gomp wheel
+from . import _regemm_cpu  # noqa: E402
 
 try:  # built only where a CUDA toolkit was found
     from . import _regemm_cuda

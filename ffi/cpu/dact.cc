@@ -1,41 +1,21 @@
 // CPU backward epilogue: gZ = gY * act'(Z or Y) and the bias gradient in one
-// pass over gY. Rows are split into chunks over the thread pool; each chunk
+// pass over gY (the row loops: elementwise_isa.cc, for this CPU's instruction
+// set). Rows are split into chunks over the thread pool; each chunk
 // keeps its own bias partial sums (double), combined in a fixed order, so the
 // result does not depend on scheduling.
 #include <algorithm>
 #include <vector>
 
 #include "../regemm/handlers.h"
+#include "elementwise.h"
 #include "runtime.h"
 
 namespace regemm {
 namespace {
 
-template <class T, Act kAct, bool kFromY>
-void dact_rows(const DactProblem& p, const T* __restrict gy, const T* __restrict s, T* __restrict gz,
-               int64_t i0, int64_t i1, double* col, double* row_sums) {
-  using A = acc_t<T>;
-  const A slope = A(p.slope);
-  std::vector<A> g(p.n);
-  for (int64_t i = i0; i < i1; ++i) {
-    const int64_t off = i * p.n;
-    for (int64_t j = 0; j < p.n; ++j) {  // vectorizes: no calls, selects only
-      const A sv = load<A>(s[off + j]);
-      const A d = kFromY ? act_grad_from_y(kAct, sv, slope) : act_grad(kAct, sv, slope);
-      const T v = store<T>(load<A>(gy[off + j]) * d);
-      gz[off + j] = v;
-      g[j] = load<A>(v);  // the bias gradient sums gZ as stored
-    }
-    double r = 0.0;
-    for (int64_t j = 0; j < p.n; ++j) r += double(g[j]);
-    row_sums[i - i0] = r;
-    if (col)
-      for (int64_t j = 0; j < p.n; ++j) col[j] += double(g[j]);
-  }
-}
-
-template <class T, Act kAct, bool kFromY>
-void dact_t(const DactProblem& p, const DactOperands& o, const CpuRuntime& rt) {
+template <class T>
+void dact(const DactProblem& p, const DactOperands& o, const CpuRuntime& rt) {
+  const auto& kernels = elementwise();
   const int64_t rows_per_chunk = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(p.n, 1));
   const int64_t chunks = std::max<int64_t>(1, (p.m + rows_per_chunk - 1) / rows_per_chunk);
   const bool per_col = p.bias_kind == BiasKind::kPerCol;
@@ -46,7 +26,7 @@ void dact_t(const DactProblem& p, const DactOperands& o, const CpuRuntime& rt) {
     std::vector<double> col(per_col ? chunks * p.n : 0, 0.0), row(std::max<int64_t>(p.m, 1), 0.0);
     rt.parallel_for(chunks, [&](int64_t c) {
       const int64_t i0 = c * rows_per_chunk, i1 = std::min(p.m, i0 + rows_per_chunk);
-      if (i0 < i1) dact_rows<T, kAct, kFromY>(p, gy, s, gz, i0, i1, per_col ? &col[c * p.n] : nullptr, &row[i0]);
+      if (i0 < i1) kernels.dact_rows(p, gy, s, gz, i0, i1, per_col ? &col[c * p.n] : nullptr, &row[i0]);
     });
     if (p.bias_kind == BiasKind::kNone) continue;
     T* gbias = static_cast<T*>(o.gbias) + b * bias_length(p.bias_kind, p.m, p.n);
@@ -65,14 +45,6 @@ void dact_t(const DactProblem& p, const DactOperands& o, const CpuRuntime& rt) {
       }
     }
   }
-}
-
-template <class T>
-void dact(const DactProblem& p, const DactOperands& o, const CpuRuntime& rt) {
-  with_act(p.act, [&](auto act) {
-    constexpr Act k = decltype(act)::value;
-    p.from_y ? dact_t<T, k, true>(p, o, rt) : dact_t<T, k, false>(p, o, rt);
-  });
 }
 
 ffi::Error run_dact(const DactProblem& p, const DactOperands& o, CpuRuntime& rt) {

@@ -1,0 +1,92 @@
+// The elementwise epilogues for one instruction set: CMake compiles this file
+// once per set, naming it with REGEMM_ISA (and its -march), so each copy's
+// loops vectorize to that width. The loops are branch-free per activation
+// (with_act makes the activation a compile-time constant).
+#include <vector>
+
+#include "../regemm/activation.h"
+#include "../regemm/numeric.h"
+#include "elementwise.h"
+
+#ifndef REGEMM_ISA
+#error "REGEMM_ISA names the instruction set this copy is compiled for"
+#endif
+
+namespace regemm::REGEMM_ISA {
+namespace {
+
+template <class T> void act_t(Act act, double slope, const void* z_, void* y_, int64_t begin, int64_t end) {
+  using A = acc_t<T>;
+  const T* z = static_cast<const T*>(z_);
+  T* y = static_cast<T*>(y_);
+  const A s = A(slope);
+  with_act(act, [&](auto a) {
+    for (int64_t i = begin; i < end; ++i) y[i] = store<T>(act_fwd(decltype(a)::value, load<A>(z[i]), s));
+  });
+}
+
+template <class T, Act kAct, bool kFromY>
+void dact_t(const DactProblem& p, const T* __restrict gy, const T* __restrict s, T* __restrict gz, int64_t i0,
+            int64_t i1, double* col, double* row_sums) {
+  using A = acc_t<T>;
+  const A slope = A(p.slope);
+  thread_local std::vector<A> g;
+  g.resize(p.n);
+  for (int64_t i = i0; i < i1; ++i) {
+    const int64_t off = i * p.n;
+    for (int64_t j = 0; j < p.n; ++j) {  // vectorizes: no calls, selects only
+      const A sv = load<A>(s[off + j]);
+      const A d = kFromY ? act_grad_from_y(kAct, sv, slope) : act_grad(kAct, sv, slope);
+      const T v = store<T>(load<A>(gy[off + j]) * d);
+      gz[off + j] = v;
+      g[j] = load<A>(v);  // the bias gradient sums gZ as stored
+    }
+    double r = 0.0;
+    for (int64_t j = 0; j < p.n; ++j) r += double(g[j]);
+    row_sums[i - i0] = r;
+    if (col)
+      for (int64_t j = 0; j < p.n; ++j) col[j] += double(g[j]);
+  }
+}
+
+template <class T>
+void dact_rows_t(const DactProblem& p, const void* gy, const void* s, void* gz, int64_t i0, int64_t i1, double* col,
+                 double* row_sums) {
+  with_act(p.act, [&](auto act) {
+    constexpr Act k = decltype(act)::value;
+    auto run = [&](auto from_y) {
+      dact_t<T, k, decltype(from_y)::value>(p, static_cast<const T*>(gy), static_cast<const T*>(s),
+                                            static_cast<T*>(gz), i0, i1, col, row_sums);
+    };
+    p.from_y ? run(std::true_type{}) : run(std::false_type{});
+  });
+}
+
+template <template <class> class F, class... Args> void by_dtype(DType t, Args&&... args) {
+  switch (t) {
+    case DType::kF32: return F<float>::run(args...);
+    case DType::kF64: return F<double>::run(args...);
+    case DType::kBF16: return F<bf16_t>::run(args...);
+    case DType::kF16: return F<f16_t>::run(args...);
+  }
+}
+
+template <class T> struct ActF { template <class... X> static void run(X... x) { act_t<T>(x...); } };
+template <class T> struct DactF { template <class... X> static void run(X... x) { dact_rows_t<T>(x...); } };
+
+void act(DType t, Act a, double slope, const void* z, void* y, int64_t begin, int64_t end) {
+  by_dtype<ActF>(t, a, slope, z, y, begin, end);
+}
+
+void dact_rows(const DactProblem& p, const void* gy, const void* s, void* gz, int64_t i0, int64_t i1, double* col,
+               double* row_sums) {
+  by_dtype<DactF>(p.dtype, p, gy, s, gz, i0, i1, col, row_sums);
+}
+
+}  // namespace
+
+#define REGEMM_STR2(x) #x
+#define REGEMM_STR(x) REGEMM_STR2(x)
+extern const ElementwiseKernels kElementwise = {REGEMM_STR(REGEMM_ISA), act, dact_rows};
+
+}  // namespace regemm::REGEMM_ISA

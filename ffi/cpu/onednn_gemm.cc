@@ -1,0 +1,131 @@
+// CPU GEMMs on oneDNN's matmul primitive, for f32, bf16 and f16 (where this
+// CPU has a oneDNN path for the dtype): oneDNN picks the instruction set at run
+// time (AVX2, AVX-512, AMX) and fuses the linear part of the epilogue:
+//
+//   Z = alpha * op(A) @ op(B) + bias + beta * C    (src scale, bias, sum post-op)
+//   Y = act(Z)                                     (elementwise.h, in cache-sized chunks)
+//
+// The activation is ours, not a oneDNN eltwise post-op: oneDNN's relu turns
+// NaN into 0 and its gelu loses the negative tail (SPEC §3 wants NaN out and
+// relative accuracy), and one place defines the activations for every backend.
+// Without store_z the matmul writes Z into Y's buffer and the pass is in place.
+// The sum post-op adds beta times what dst holds, so C is first copied into
+// dst. Problems oneDNN cannot take (f64, an empty dimension, a dtype this CPU
+// has no path for) go to the portable packed kernel (gemm.cc).
+#include <algorithm>
+#include <cstring>
+#include <memory>
+#include <tuple>
+#include <unordered_map>
+#include <vector>
+
+#include "elementwise.h"
+#include "onednn_util.h"
+
+namespace regemm {
+namespace {
+
+using dnnl::memory;
+
+// A [batch, rows, cols] operand stored row-major ([rows, cols]) or transposed
+// ([cols, rows]), problem b at b * stride (stride 0: shared, a batch dim of 1).
+memory::desc operand(memory::data_type t, int64_t batch, int64_t stride, int64_t rows, int64_t cols, bool trans) {
+  const int64_t nb = stride == 0 ? 1 : batch;
+  const int64_t bs = stride == 0 ? rows * cols : stride;
+  return memory::desc({nb, rows, cols}, t, trans ? memory::dims{bs, 1, rows} : memory::dims{bs, cols, 1});
+}
+
+memory::desc bias_desc(const GemmProblem& p, memory::data_type t) {
+  const int64_t len = bias_length(p.bias_kind, p.m, p.n);
+  const int64_t nb = p.stride_bias == 0 ? 1 : p.batch;
+  const int64_t bs = p.stride_bias == 0 ? len : p.stride_bias;
+  const int64_t rows = p.bias_kind == BiasKind::kPerRow ? p.m : 1;
+  const int64_t cols = p.bias_kind == BiasKind::kPerCol ? p.n : 1;
+  return memory::desc({nb, rows, cols}, t, memory::dims{bs, cols, 1});
+}
+
+struct Plan {
+  memory::desc a, b, bias, d, scratchpad;
+  dnnl::matmul matmul;
+  bool sum_c = false;  // C copied into dst, added by the sum post-op
+};
+
+using Key = std::tuple<int, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int, int, double, bool>;
+
+std::unique_ptr<Plan> build(const GemmProblem& p) {
+  auto& e = onednn::engine();
+  const memory::data_type t = onednn::dtype_of(p.dtype);
+  auto plan = std::make_unique<Plan>();
+  plan->a = operand(t, p.batch, p.stride_a, p.m, p.k, p.trans_a);
+  plan->b = operand(t, p.batch, p.stride_b, p.k, p.n, p.trans_b);
+  plan->d = memory::desc({p.batch, p.m, p.n}, t, memory::format_tag::abc);
+  dnnl::primitive_attr attr;
+  attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+  if (p.alpha != 1.0) attr.set_scales_mask(DNNL_ARG_SRC, 0);
+  plan->sum_c = p.has_c && p.beta != 0.0;
+  if (plan->sum_c) {
+    dnnl::post_ops ops;
+    ops.append_sum(float(p.beta));
+    attr.set_post_ops(ops);
+  }
+  dnnl::matmul::primitive_desc pd;
+  if (p.bias_kind == BiasKind::kNone) {
+    pd = dnnl::matmul::primitive_desc(e, plan->a, plan->b, plan->d, attr);
+  } else {
+    plan->bias = bias_desc(p, t);
+    pd = dnnl::matmul::primitive_desc(e, plan->a, plan->b, plan->bias, plan->d, attr);
+  }
+  plan->matmul = dnnl::matmul(pd);
+  plan->scratchpad = pd.scratchpad_desc();
+  return plan;
+}
+
+const Plan* plan_of(const GemmProblem& p) {
+  static onednn::PlanCache<Key, Plan> cache;
+  return cache.get(Key{int(p.dtype), p.m, p.n, p.k, p.batch, p.stride_a, p.stride_b, p.stride_bias,
+                       int(p.bias_kind), p.trans_a * 2 + p.trans_b, p.has_c ? p.beta : 0.0, p.alpha != 1.0},
+                   [&] { return build(p); });
+}
+
+bool supports(const GemmProblem& p) { return p.k > 0 && p.m > 0 && p.n > 0 && onednn::dtype_ok(p.dtype); }
+
+ffi::Error run_gemm(const GemmProblem& p, const GemmOperands& o, CpuRuntime& rt) {
+  const Plan* plan = plan_of(p);
+  if (!plan) return onednn::fallback(GemmRegistry<CpuRuntime>::get(), "cpu_packed", p, o, rt);
+  return onednn::guarded([&] {
+    const int64_t size = dtype_size(p.dtype), mn = p.m * p.n;
+    void* dst = p.store_z ? o.z : o.y;
+    if (plan->sum_c)
+      for (int64_t b = 0; b < p.batch; ++b)
+        std::memcpy(static_cast<char*>(dst) + b * mn * size, static_cast<const char*>(o.c) + b * p.stride_c * size,
+                    mn * size);
+    thread_local std::vector<char> scratch;
+    scratch.resize(std::max(scratch.size(), plan->scratchpad.get_size()));
+    float alpha = float(p.alpha);
+    std::unordered_map<int, memory> args = {{DNNL_ARG_SRC, onednn::wrap(plan->a, o.a)},
+                                            {DNNL_ARG_WEIGHTS, onednn::wrap(plan->b, o.b)},
+                                            {DNNL_ARG_DST, onednn::wrap(plan->d, dst)},
+                                            {DNNL_ARG_SCRATCHPAD, onednn::wrap(plan->scratchpad, scratch.data())}};
+    if (p.alpha != 1.0)
+      args.emplace(DNNL_ARG_ATTR_SCALES | DNNL_ARG_SRC, onednn::wrap(memory::desc({1}, memory::data_type::f32, {1}), &alpha));
+    if (p.bias_kind != BiasKind::kNone) args.emplace(DNNL_ARG_BIAS, onednn::wrap(plan->bias, o.bias));
+    dnnl::stream s(onednn::engine());
+    plan->matmul.execute(s, args);
+    s.wait();
+    const int64_t total = p.batch * mn;
+    if (p.act == Act::kNone) {
+      if (p.store_z) std::memcpy(o.y, o.z, total * size);
+      return;
+    }
+    const auto& kernels = elementwise();
+    const int64_t chunk = 1 << 15, chunks = (total + chunk - 1) / chunk;
+    rt.parallel_for(chunks, [&](int64_t c) {
+      kernels.act(p.dtype, p.act, p.slope, dst, o.y, c * chunk, std::min(total, (c + 1) * chunk));
+    });
+  });
+}
+
+const Register<GemmProblem, GemmOperands, CpuRuntime> kRegister({"cpu_onednn", 1, supports, run_gemm});
+
+}  // namespace
+}  // namespace regemm
