@@ -1,4 +1,4 @@
-"""Rough timings of the CUDA backend's kernels for tools/NOTES_gpu.md.
+"""Rough timings of the CUDA backend's kernels (docs/performance.md).
 
 Median wall time of a jitted call (after warm-up, synchronised each time),
 so it includes a launch (~10-20 us); fine for the millisecond-scale shapes

@@ -107,7 +107,7 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // The rule (the registry's choice without timing, also under graph capture
 // before the tuner has seen a problem): from the measured winners
-// (benchmarks/NOTES_perf.md, device runs 1-2, with bias):
+// (docs/performance.md, device runs 1-2, with bias):
 // - no more 128x128 tiles than SMs (2048x1024 outputs): stream-K, which spreads
 //   K over the idle SMs (bf16 1.37x cuBLAS vs 1.73 ping-pong, 2.38 cooperative);
 // - K <= 256 (65536x256x256): the 128x128 cooperative tile, i.e. the stream-K
@@ -118,7 +118,7 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 //   (8192x1024x4096): ping-pong without a cluster, whose epilogue overlaps the
 //   other warpgroup's MMAs (tools/tile_bench, session 9, cold, x cuBLAS at
 //   4096x4096x1024: 1.10 vs 1.26 cooperative, 1.29 ping-pong 2x1). With K in
-//   [512, 2048] and 4+ waves it beats the 2x1 cluster too (benchmarks/NOTES.md,
+//   [512, 2048] and 4+ waves it beats the 2x1 cluster too (docs/performance.md,
 //   session 12, forced, bf16 forward: 8192x1024x4096 and 16384x1024x1024, none,
 //   leaky_relu, silu, gelu_erf: 0.97-1.59x as fast, none at 8192x1024x4096 the
 //   one loss);

@@ -16,7 +16,7 @@ constexpr int kPriority = 100;
 
 // Plain GEMMs (the backward's dgrad and wgrad) are cuBLAS's: H100, bf16,
 // 16384x4096x4096 dgrad 701 vs 649 us, wgrad 739 vs 677 us; 65536x256x256
-// wgrad (K = 65536) 102 vs 26 us (benchmarks/NOTES.md).
+// wgrad (K = 65536) 102 vs 26 us (docs/performance.md).
 bool supports(const GemmProblem& p) { return can_run(p) && !p.is_plain_gemm(); }
 
 // The next-best other entry, for the rare call supports() could not foresee

@@ -20,7 +20,7 @@
 // act' of bf16/f16 uses the GPU's approximate exp and division (FastMath,
 // activation.h: ~1e-7 relative, far below the 16-bit rounding of gZ); the
 // precise forms cost gelu's pass 24 us against relu's 13 (4096x1024 bf16,
-// benchmarks/NOTES.md). f32 and f64 keep the precise forms.
+// docs/performance.md). f32 and f64 keep the precise forms.
 #include <algorithm>
 #include <cstdint>
 #include <type_traits>
@@ -38,7 +38,7 @@ constexpr int kWarps = 8;                           // warps per block, along ro
 constexpr int kThreads = kLanes * kWarps;           // 256
 // Rows per thread: 16 (tiles of 128 rows), one row at a time. Measured on the
 // H100 against 64-row tiles and against loading 4 rows before the first use
-// (benchmarks/NOTES.md): within 3% of the best of those everywhere; loading 4
+// (docs/performance.md): within 3% of the best of those everywhere; loading 4
 // rows at once made the bf16 relu kernel 2x slower. Small outputs take fewer
 // rows per thread (tile_shape): 16 rows per thread would leave most of the
 // GPU idle (128 x 1024 bf16: 4 blocks on 132 SMs, so gelu's act' ran on 4 SMs).

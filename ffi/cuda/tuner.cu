@@ -353,7 +353,7 @@ ffi::Error cuda_fault(const std::string& label, cudaError_t e = cudaGetLastError
 // around it) right after the L2 cache was flushed, plus the host charge.
 // Timed with the inputs left in L2 by the run before, cuBLASLt's picks
 // looked up to 2.5x faster than they run in a program (65536x256x256 and
-// 8192x1024x4096 bf16 forwards, benchmarks/NOTES.md): a program's inputs
+// 8192x1024x4096 bf16 forwards, docs/performance.md): a program's inputs
 // come from other work and mostly from DRAM. A candidate that declines the
 // problem is passed over; one that leaves a CUDA error ends the call with it.
 ffi::Error time_candidates(const std::vector<Candidate>& cands, const GemmProblem& p, const GemmOperands& o,

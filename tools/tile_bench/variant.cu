@@ -7,7 +7,7 @@
 //   TILE_ACT_CALL  1: the costly activations as out-of-line calls (ConfigTraits::kActCall)
 //   TILE_ONE_ACT   a regemm::Act value: the kernel of that activation alone
 //                  (cutlass_kernels.h, kOneActs); default every activation
-// Session 9 (benchmarks/NOTES.md) measured these; ping 128x128 without a
+// Session 9 (docs/performance.md) measured these; ping 128x128 without a
 // cluster became Config::kPing128x128c1.
 #include "cutlass_gemm.cuh"
 #include "harness.h"

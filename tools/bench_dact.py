@@ -5,7 +5,7 @@ It is memory-bound: it reads gY and S and writes gZ (3 x M x N elements; the
 bias partials are ~1/128 of that), so its floor is those bytes over the copy
 rate. Prints a markdown table with the achieved GB/s of each.
 
-    python benchmarks/bench_dact.py [--out benchmarks/results]
+    python tools/bench_dact.py [--out benchmarks/results]
 """
 
 from __future__ import annotations
@@ -18,6 +18,10 @@ import jax
 import jax.numpy as jnp
 
 import jax_regemm as rg
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # bench_gpu, devtime
 from devtime import device_times_ms, named_jit
 
 SHAPES = [(16384, 4096), (8192, 4096), (65536, 256), (16384, 1024)]

@@ -9,7 +9,7 @@
 //     cublasLtMatmul with descriptors and algorithm made once).
 //  3. The same pieces one call at a time with the host's caches cold (64 MiB
 //     written and 1 ms asleep before each call, median of 40): inside XLA a
-//     handler runs after other thunks' work, and benchmarks/host_timeline.py
+//     handler runs after other thunks' work, and tools/host_timeline.py
 //     read 35-70 us from our CUTLASS launch call where 2. reads at most 13.
 //  4. cublasLtMatmul's host time (the backward's dgrad of 4096x4096x1024) right
 //     after one launch of something else, the GPU busy with it: inside XLA the
@@ -17,7 +17,7 @@
 //     relu layer's, whose forward was a cuBLASLt kernel and not CUTLASS's.
 //
 //   nvcc -std=c++17 -O3 -DNDEBUG --expt-relaxed-constexpr -gencode=arch=compute_90a,code=sm_90a \
-//     -Iffi/cuda benchmarks/host_cost.cu ffi/cuda/cutlass_dispatch.cu ffi/cuda/epilogue_pass.cu \
+//     -Iffi/cuda tools/host_cost.cu ffi/cuda/cutlass_dispatch.cu ffi/cuda/epilogue_pass.cu \
 //     .cutlass_prebuilt/cutlass_*.o -lcublas -lcublasLt -o /tmp/host_cost && /tmp/host_cost
 #include <cublasLt.h>
 #include <cublas_v2.h>

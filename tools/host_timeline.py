@@ -12,7 +12,7 @@ as medians over the runs, in microseconds from the program's call:
     after the last            XLA's time between two of our calls
     last handler -> ready     the device finishing after the host is done
 
-    python benchmarks/host_timeline.py --shape 128:1024:1024 --acts relu --mode fwd_bwd
+    python tools/host_timeline.py --shape 128:1024:1024 --acts relu --mode fwd_bwd
 """
 
 from __future__ import annotations
@@ -24,6 +24,10 @@ import jax
 import numpy as np
 
 import jax_regemm as rg
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # bench_gpu, devtime
 from bench_gpu import layer_program
 
 PHASES = ("begin", "started", "signed", "way", "launch", "end")  # runtime.h: HostPhase

@@ -4,7 +4,7 @@ profiler's GPU stream timeline, as devtime.py reads it). For the
 "two numbers" method: which kernel is off its floor, and how much is launch
 gaps.
 
-    python benchmarks/trace.py --shape 128:1024:1024 --dtype bf16 --act sigmoid --mode fwd_bwd
+    python tools/trace.py --shape 128:1024:1024 --dtype bf16 --act sigmoid --mode fwd_bwd
 """
 
 from __future__ import annotations
@@ -18,6 +18,10 @@ import time
 import jax
 
 import jax_regemm as rg
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # bench_gpu, devtime
 from bench_gpu import layer_program
 
 

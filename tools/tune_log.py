@@ -5,7 +5,7 @@ per shape and activation with REGEMM_TUNE_LOG=1, so that the tuner prints each
 way it timed (device time plus its host charge per extra launch) and its choice
 (stderr), then prints the winners (rg.tuned()).
 
-    python benchmarks/tune_log.py --layers 128:1024:1024,4096:4096:1024 --acts relu,gelu
+    python tools/tune_log.py --layers 128:1024:1024,4096:4096:1024 --acts relu,gelu
 """
 
 from __future__ import annotations
