@@ -56,7 +56,7 @@ inline bool grad_from_y_ok(Act act, double slope) {
   }
 }
 
-// Elementary functions: CUDA's own on the device; on the host, float exp/tanh
+// Elementary functions: CUDA's own on the device; on the host, float exp/tanh/erfc
 // from host_math.h (vectorizable), double from libm (f64 is the checking path).
 namespace math {
 #if defined(__CUDA_ARCH__)
@@ -68,7 +68,11 @@ REGEMM_HD float tanh(float x) { return host_math::tanh(x); }
 #endif
 REGEMM_HD double exp(double x) { return ::exp(x); }
 REGEMM_HD double tanh(double x) { return ::tanh(x); }
+#if defined(__CUDA_ARCH__)
 REGEMM_HD float erfc(float x) { return ::erfcf(x); }
+#else
+REGEMM_HD float erfc(float x) { return host_math::erfc(x); }
+#endif
 REGEMM_HD double erfc(double x) { return ::erfc(x); }
 REGEMM_HD float abs(float x) { return ::fabsf(x); }
 REGEMM_HD double abs(double x) { return ::fabs(x); }
