@@ -8,7 +8,7 @@ jax_regemm.equinox (imported on demand; this module imports no framework).
 
 from . import reference
 from ._ffi import kernels
-from .api import dense, disabled_export_checks, gemm_bias_act, gemm_bias_act_bwd, gemm_bias_act_fwd
+from .api import dense, disabled_export_checks, gemm_bias_act, gemm_bias_act_bwd, gemm_bias_act_fwd, mlp
 from .reference import ACTIVATIONS, BIAS_KINDS
 from .tuning import autotune, tuned
 
@@ -25,6 +25,7 @@ __all__ = [
     "gemm_bias_act_bwd",
     "gemm_bias_act_fwd",
     "kernels",
+    "mlp",
     "reference",
     "tuned",
 ]

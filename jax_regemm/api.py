@@ -136,6 +136,52 @@ def dense(
     return jnp.reshape(y, lead + (y.shape[-1],))
 
 
+def mlp(
+    x,
+    weights,
+    biases=None,
+    *,
+    act: str = "relu",
+    final_act: str = "none",
+    leaky_slope: float = 0.01,
+    save: str = "auto",
+    precision=None,
+):
+    """The MLP block: h_0 = x, h_l = act_l(h_{l-1} @ weights[l-1] + biases[l-1]), with act_l = act
+    for the hidden layers and final_act for the last; returns h_L.
+
+    x [..., K_0], weights[l] [K_l, K_{l+1}], biases None or a list of [K_{l+1}] vectors or None
+    each. Each layer is one fused kernel keeping what its backward needs (`save`, as for
+    `dense`). The backward runs per layer today (the dact pass, then the dgrad and wgrad
+    GEMMs); act' folded into the next dgrad GEMM's epilogue is not built yet.
+    """
+    weights = list(weights)
+    if not weights:
+        raise ValueError("weights must hold at least one [K, N] matrix, got none")
+    biases = [None] * len(weights) if biases is None else list(biases)
+    if len(biases) != len(weights):
+        raise ValueError(f"biases must have one entry (an [N] vector or None) per weight: got {len(biases)} for {len(weights)} weights")
+    h = _array("x", x)
+    for i, (w, b) in enumerate(zip(weights, biases)):
+        w = _array(f"weights[{i}]", w)
+        if w.dtype != h.dtype:
+            raise TypeError(f"weights[{i}] has dtype {w.dtype} but x has {h.dtype}: mixed dtypes are not supported")
+        if w.ndim != 2:
+            raise ValueError(f"weights[{i}] must have rank 2 ([K, N]), got shape {w.shape}")
+        if h.ndim < 1 or h.shape[-1] != w.shape[0]:
+            what = "x" if i == 0 else f"layer {i - 1}'s output"
+            raise ValueError(f"weights[{i}] has shape {w.shape} but {what} has shape {h.shape}: its K must be {h.shape[-1:] or '?'}")
+        if b is not None:
+            b = _array(f"biases[{i}]", b)
+            if b.dtype != h.dtype:
+                raise TypeError(f"biases[{i}] has dtype {b.dtype} but x has {h.dtype}: mixed dtypes are not supported")
+            if b.shape != (w.shape[1],):
+                raise ValueError(f"biases[{i}] must have shape ({w.shape[1]},) for weights[{i}] of shape {w.shape}, got {b.shape}")
+        layer_act = final_act if i == len(weights) - 1 else act
+        h = dense(h, w, b, act=layer_act, leaky_slope=leaky_slope, save=save, precision=precision)
+    return h
+
+
 def disabled_export_checks():
     """The `disabled_checks` that `jax.export.export` needs for a function using jax_regemm:
     one per custom-call target (versioned names; README, "Export")."""

@@ -178,3 +178,13 @@ def dact(gy, s, *, act: str, leaky_slope: float = 0.01, from_y: bool = False, bi
 def dense(x, w, b=None, *, act: str = "none", leaky_slope: float = 0.01, precision=None):
     """act(x @ w + b) for x [..., K], w [K, N], b [N]."""
     return gemm_bias_act(x, w, b, act=act, leaky_slope=leaky_slope, bias_kind="per_col", precision=precision)
+
+
+def mlp(x, weights, biases=None, *, act: str = "relu", final_act: str = "none", leaky_slope: float = 0.01,
+        precision=None):
+    """The MLP block: act(... act(x @ w_1 + b_1) ...) with final_act on the last layer."""
+    biases = [None] * len(weights) if biases is None else biases
+    for i, (w, b) in enumerate(zip(weights, biases)):
+        a = final_act if i == len(weights) - 1 else act
+        x = dense(x, w, b, act=a, leaky_slope=leaky_slope, precision=precision)
+    return x

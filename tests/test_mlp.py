@@ -1,0 +1,80 @@
+"""rg.mlp, the MLP block: values and gradients against the pure-JAX reference, the
+transformations, and its errors."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_regemm as rg
+
+HI = jax.lax.Precision.HIGHEST
+
+
+def _block(key, dims, dtype=jnp.float32, bias=True):
+    keys = jax.random.split(key, 2 * len(dims))
+    ws = [(jax.random.normal(keys[2 * i], (k, n)) / np.sqrt(k)).astype(dtype) for i, (k, n) in enumerate(zip(dims, dims[1:]))]
+    bs = [jax.random.normal(keys[2 * i + 1], (n,), dtype) if bias else None for i, n in enumerate(dims[1:])]
+    return ws, bs
+
+
+def _rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return np.linalg.norm(a - b) / np.linalg.norm(b)
+
+
+@pytest.mark.parametrize("act,final_act", [("gelu", "none"), ("relu", "sigmoid"), ("silu", "tanh")])
+@pytest.mark.parametrize("save", ["auto", "z", "recompute"])
+def test_mlp_value_and_grads(act, final_act, save):
+    k = jax.random.split(jax.random.PRNGKey(hash((act, save)) % 2**31), 2)
+    ws, bs = _block(k[0], [24, 40, 32, 16])
+    x = jax.random.normal(k[1], (2, 9, 24))
+    loss = lambda f: lambda x, ws, bs: jnp.sum(jnp.sin(f(x, ws, bs)))
+    ours = lambda x, ws, bs: rg.mlp(x, ws, bs, act=act, final_act=final_act, save=save, precision=HI)
+    ref = lambda x, ws, bs: rg.reference.mlp(x, ws, bs, act=act, final_act=final_act, precision=HI)
+    y, yr = jax.jit(ours)(x, ws, bs), ref(x, ws, bs)
+    assert y.shape == (2, 9, 16) and _rel(y, yr) < 1e-5
+    g = jax.jit(jax.grad(loss(ours), argnums=(0, 1, 2)))(x, ws, bs)
+    gr = jax.grad(loss(ref), argnums=(0, 1, 2))(x, ws, bs)
+    for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(gr)):
+        assert _rel(a, b) < 1e-5
+
+
+def test_mlp_jvp_vmap_and_no_bias():
+    k = jax.random.split(jax.random.PRNGKey(3), 3)
+    ws, _ = _block(k[0], [8, 12, 6], bias=False)
+    x, t = jax.random.normal(k[1], (5, 8)), jax.random.normal(k[2], (5, 8))
+    f = lambda x: rg.mlp(x, ws, act="gelu_erf", precision=HI)
+    fr = lambda x: rg.reference.mlp(x, ws, act="gelu_erf", precision=HI)
+    (y, ty), (yr, tyr) = jax.jvp(f, (x,), (t,)), jax.jvp(fr, (x,), (t,))
+    assert _rel(y, yr) < 1e-5 and _rel(ty, tyr) < 1e-5
+    assert _rel(jax.vmap(f)(x[:, None, :])[:, 0], yr) < 1e-5
+
+
+def test_mlp_bf16():
+    k = jax.random.split(jax.random.PRNGKey(4), 2)
+    ws, bs = _block(k[0], [64, 128, 64], jnp.bfloat16)
+    x = jax.random.normal(k[1], (32, 64), jnp.bfloat16)
+    y = rg.mlp(x, ws, bs, act="gelu")
+    f32 = jax.tree.map(lambda a: a.astype(jnp.float32), (x, ws, bs))
+    yr = rg.reference.mlp(*f32, act="gelu", precision=HI)
+    assert y.dtype == jnp.bfloat16 and _rel(y, yr) < 2e-2
+
+
+def test_mlp_errors_name_the_argument():
+    ws, bs = _block(jax.random.PRNGKey(5), [8, 12, 6])
+    x = jnp.ones((3, 8))
+    with pytest.raises(ValueError, match="at least one"):
+        rg.mlp(x, [])
+    with pytest.raises(ValueError, match=r"weights\[1\] has shape \(7, 6\)"):
+        rg.mlp(x, [ws[0], jnp.ones((7, 6))])
+    with pytest.raises(ValueError, match=r"biases\[0\] must have shape \(12,\)"):
+        rg.mlp(x, ws, [jnp.ones(6), bs[1]])
+    with pytest.raises(ValueError, match="one entry"):
+        rg.mlp(x, ws, bs[:1])
+    with pytest.raises(TypeError, match=r"weights\[0\] must be an array"):
+        rg.mlp(x, [[1.0]])
+    with pytest.raises(TypeError, match=r"weights\[1\] has dtype bfloat16 but x has float32"):
+        rg.mlp(x, [ws[0], ws[1].astype(jnp.bfloat16)])
+    with pytest.raises(ValueError, match="unknown activation|act"):
+        rg.mlp(x, ws, bs, act="swish")
