@@ -16,25 +16,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import jax_regemm as rg
-from devtime import device_times_ms, named_jit
-
-
-def wall_ms(fn, args, repeats=30):
-    jax.block_until_ready(fn(*args))
-    ts = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        ts.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(ts)
+from devtime import device_times_ms, host_median_ms, named_jit
 
 
 def inputs(key, m, d, dtype):
@@ -85,7 +73,7 @@ def main():
                     "gemms": (named_jit(gemms, "gemms"), sets),
                 }
                 t = device_times_ms(cases)
-                w = {k: wall_ms(fn, s[0]) for k, (fn, s) in cases.items()}
+                w = {k: host_median_ms(fn, *s[0], repeats=30) for k, (fn, s) in cases.items()}
                 to, tx, tg = t[f"ours_{act}"], t[f"xla_{act}"], t["gemms"]
                 rec = dict(shape=shape, dtype=dtype, act=act, ours_ms=to, xla_ms=tx, gemms_ms=tg,
                            ours_over_gemms=to / tg, xla_over_gemms=tx / tg, speedup=tx / to,

@@ -12,7 +12,6 @@
 namespace regemm {
 
 struct ElementwiseKernels {
-  const char* isa;
   // y[i] = act(z[i]) for i in [begin, end) (y may be z).
   void (*act)(DType t, Act act, double slope, const void* z, void* y, int64_t begin, int64_t end);
   // Rows [i0, i1) of one problem of the backward epilogue: gZ = gY * act'(S);

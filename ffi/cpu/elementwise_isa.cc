@@ -63,31 +63,27 @@ void dact_rows_t(const DactProblem& p, const void* gy, const void* s, void* gz, 
   });
 }
 
-template <template <class> class F, class... Args> void by_dtype(DType t, Args&&... args) {
-  switch (t) {
-    case DType::kF32: return F<float>::run(args...);
-    case DType::kF64: return F<double>::run(args...);
-    case DType::kBF16: return F<bf16_t>::run(args...);
-    case DType::kF16: return F<f16_t>::run(args...);
-  }
-}
-
-template <class T> struct ActF { template <class... X> static void run(X... x) { act_t<T>(x...); } };
-template <class T> struct DactF { template <class... X> static void run(X... x) { dact_rows_t<T>(x...); } };
-
 void act(DType t, Act a, double slope, const void* z, void* y, int64_t begin, int64_t end) {
-  by_dtype<ActF>(t, a, slope, z, y, begin, end);
+  switch (t) {
+    case DType::kF32: return act_t<float>(a, slope, z, y, begin, end);
+    case DType::kF64: return act_t<double>(a, slope, z, y, begin, end);
+    case DType::kBF16: return act_t<bf16_t>(a, slope, z, y, begin, end);
+    case DType::kF16: return act_t<f16_t>(a, slope, z, y, begin, end);
+  }
 }
 
 void dact_rows(const DactProblem& p, const void* gy, const void* s, void* gz, int64_t i0, int64_t i1, double* col,
                double* row_sums) {
-  by_dtype<DactF>(p.dtype, p, gy, s, gz, i0, i1, col, row_sums);
+  switch (p.dtype) {
+    case DType::kF32: return dact_rows_t<float>(p, gy, s, gz, i0, i1, col, row_sums);
+    case DType::kF64: return dact_rows_t<double>(p, gy, s, gz, i0, i1, col, row_sums);
+    case DType::kBF16: return dact_rows_t<bf16_t>(p, gy, s, gz, i0, i1, col, row_sums);
+    case DType::kF16: return dact_rows_t<f16_t>(p, gy, s, gz, i0, i1, col, row_sums);
+  }
 }
 
 }  // namespace
 
-#define REGEMM_STR2(x) #x
-#define REGEMM_STR(x) REGEMM_STR2(x)
-extern const ElementwiseKernels kElementwise = {REGEMM_STR(REGEMM_ISA), act, dact_rows};
+extern const ElementwiseKernels kElementwise = {act, dact_rows};
 
 }  // namespace regemm::REGEMM_ISA

@@ -12,22 +12,66 @@
 // The sum post-op adds beta times what dst holds, so C is first copied into
 // dst. Problems oneDNN cannot take (f64, an empty dimension, a dtype this CPU
 // has no path for) go to the portable packed kernel (gemm.cc).
+//
+// Every primitive is built with a user scratchpad (oneDNN's own is not safe
+// when XLA runs independent calls on several threads at once) and runs on
+// oneDNN's OpenMP threads.
 #include <algorithm>
 #include <cstring>
+#include <map>
 #include <memory>
+#include <mutex>
+#include <string>
 #include <tuple>
 #include <unordered_map>
 #include <vector>
 
+#include <dnnl.hpp>
 #include <omp.h>
 
+#include "../regemm/handlers.h"
 #include "elementwise.h"
-#include "onednn_util.h"
+#include "runtime.h"
 
 namespace regemm {
 namespace {
 
 using dnnl::memory;
+
+dnnl::engine& engine() {
+  static dnnl::engine e(dnnl::engine::kind::cpu, 0);
+  return e;
+}
+
+memory::data_type dtype_of(DType t) {
+  switch (t) {
+    case DType::kF32: return memory::data_type::f32;
+    case DType::kBF16: return memory::data_type::bf16;
+    case DType::kF16: return memory::data_type::f16;
+    default: return memory::data_type::undef;  // f64: oneDNN has no f64 matmul
+  }
+}
+
+// Whether this CPU has oneDNN kernels for a dtype (bf16 and f16 need
+// instruction-set support that oneDNN checks at run time): can it build a
+// small matmul of it.
+bool dtype_ok(DType t) {
+  auto probe = [](DType t) {
+    if (dtype_of(t) == memory::data_type::undef) return false;
+    try {
+      const memory::desc d({8, 8}, dtype_of(t), memory::format_tag::ab);
+      dnnl::matmul::primitive_desc(engine(), d, d, d);
+      return true;
+    } catch (const dnnl::error&) {
+      return false;
+    }
+  };
+  static const bool f32 = probe(DType::kF32), bf16 = probe(DType::kBF16), f16 = probe(DType::kF16);
+  return t == DType::kF32 ? f32 : t == DType::kBF16 ? bf16 : t == DType::kF16 ? f16 : false;
+}
+
+// A oneDNN memory over a buffer XLA owns.
+memory wrap(const memory::desc& d, const void* p) { return memory(d, engine(), const_cast<void*>(p)); }
 
 // A [batch, rows, cols] operand stored row-major ([rows, cols]) or transposed
 // ([cols, rows]), problem b at b * stride (stride 0: shared, a batch dim of 1).
@@ -55,8 +99,8 @@ struct Plan {
 using Key = std::tuple<int, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int, int, double, bool>;
 
 std::unique_ptr<Plan> build(const GemmProblem& p) {
-  auto& e = onednn::engine();
-  const memory::data_type t = onednn::dtype_of(p.dtype);
+  auto& e = engine();
+  const memory::data_type t = dtype_of(p.dtype);
   auto plan = std::make_unique<Plan>();
   plan->a = operand(t, p.batch, p.stride_a, p.m, p.k, p.trans_a);
   plan->b = operand(t, p.batch, p.stride_b, p.k, p.n, p.trans_b);
@@ -82,11 +126,26 @@ std::unique_ptr<Plan> build(const GemmProblem& p) {
   return plan;
 }
 
+// The plan of a problem, built on first use: building one costs tens of
+// microseconds, as much as a small GEMM. Null: oneDNN has no path for it.
+// Bounded: a program sees few shapes.
 const Plan* plan_of(const GemmProblem& p) {
-  static onednn::PlanCache<Key, Plan> cache;
-  return cache.get(Key{int(p.dtype), p.m, p.n, p.k, p.batch, p.stride_a, p.stride_b, p.stride_bias,
-                       int(p.bias_kind), p.trans_a * 2 + p.trans_b, p.has_c ? p.beta : 0.0, p.alpha != 1.0},
-                   [&] { return build(p); });
+  static std::mutex mu;
+  static std::map<Key, std::unique_ptr<Plan>> plans;
+  const Key key{int(p.dtype), p.m, p.n, p.k, p.batch, p.stride_a, p.stride_b, p.stride_bias,
+                int(p.bias_kind), p.trans_a * 2 + p.trans_b, p.has_c ? p.beta : 0.0, p.alpha != 1.0};
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = plans.find(key);
+  if (it == plans.end()) {
+    std::unique_ptr<Plan> plan;
+    try {
+      plan = build(p);
+    } catch (const dnnl::error&) {  // unimplemented for this problem: run_gemm falls back
+    }
+    if (plans.size() >= 512) plans.clear();
+    it = plans.emplace(key, std::move(plan)).first;
+  }
+  return it->second.get();
 }
 
 // Problems this small run on the calling thread alone: waking oneDNN's OpenMP
@@ -98,45 +157,55 @@ bool single_threaded(const GemmProblem& p) {
   return flops < (p.dtype == DType::kF32 ? 4e6 : 16e6);
 }
 
-bool supports(const GemmProblem& p) { return p.k > 0 && p.m > 0 && p.n > 0 && onednn::dtype_ok(p.dtype); }
+bool supports(const GemmProblem& p) { return p.k > 0 && p.m > 0 && p.n > 0 && dtype_ok(p.dtype); }
+
+// The portable packed kernel (gemm.cc), for the problems oneDNN has no path for.
+ffi::Error run_packed(const GemmProblem& p, const GemmOperands& o, CpuRuntime& rt) {
+  for (const auto& e : GemmRegistry<CpuRuntime>::get().entries())
+    if (e.name == "cpu_packed") return e.run(p, o, rt);
+  return ffi::Error(ffi::ErrorCode::kInternal, "oneDNN has no path for this GEMM and cpu_packed is not registered");
+}
 
 ffi::Error run_gemm(const GemmProblem& p, const GemmOperands& o, CpuRuntime& rt) {
   const Plan* plan = plan_of(p);
-  if (!plan) return onednn::fallback(GemmRegistry<CpuRuntime>::get(), "cpu_packed", p, o, rt);
-  return onednn::guarded([&] {
-    const int64_t size = dtype_size(p.dtype), mn = p.m * p.n;
-    void* dst = p.store_z ? o.z : o.y;
-    if (plan->sum_c)
-      for (int64_t b = 0; b < p.batch; ++b)
-        std::memcpy(static_cast<char*>(dst) + b * mn * size, static_cast<const char*>(o.c) + b * p.stride_c * size,
-                    mn * size);
-    thread_local std::vector<char> scratch;
-    scratch.resize(std::max(scratch.size(), plan->scratchpad.get_size()));
-    float alpha = float(p.alpha);
-    std::unordered_map<int, memory> args = {{DNNL_ARG_SRC, onednn::wrap(plan->a, o.a)},
-                                            {DNNL_ARG_WEIGHTS, onednn::wrap(plan->b, o.b)},
-                                            {DNNL_ARG_DST, onednn::wrap(plan->d, dst)},
-                                            {DNNL_ARG_SCRATCHPAD, onednn::wrap(plan->scratchpad, scratch.data())}};
+  if (!plan) return run_packed(p, o, rt);
+  const int64_t size = dtype_size(p.dtype), mn = p.m * p.n, total = p.batch * mn;
+  void* dst = p.store_z ? o.z : o.y;
+  if (plan->sum_c)
+    for (int64_t b = 0; b < p.batch; ++b)
+      std::memcpy(static_cast<char*>(dst) + b * mn * size, static_cast<const char*>(o.c) + b * p.stride_c * size,
+                  mn * size);
+  thread_local std::vector<char> scratch;
+  scratch.resize(std::max(scratch.size(), plan->scratchpad.get_size()));
+  float alpha = float(p.alpha);
+  const int team = omp_get_max_threads();  // a per-thread setting: restored below
+  if (single_threaded(p)) omp_set_num_threads(1);
+  try {
+    std::unordered_map<int, memory> args = {{DNNL_ARG_SRC, wrap(plan->a, o.a)},
+                                            {DNNL_ARG_WEIGHTS, wrap(plan->b, o.b)},
+                                            {DNNL_ARG_DST, wrap(plan->d, dst)},
+                                            {DNNL_ARG_SCRATCHPAD, wrap(plan->scratchpad, scratch.data())}};
     if (p.alpha != 1.0)
-      args.emplace(DNNL_ARG_ATTR_SCALES | DNNL_ARG_SRC, onednn::wrap(memory::desc({1}, memory::data_type::f32, {1}), &alpha));
-    if (p.bias_kind != BiasKind::kNone) args.emplace(DNNL_ARG_BIAS, onednn::wrap(plan->bias, o.bias));
-    dnnl::stream s(onednn::engine());
-    const int team = omp_get_max_threads();  // a per-thread setting: restored below
-    if (single_threaded(p)) omp_set_num_threads(1);
+      args.emplace(DNNL_ARG_ATTR_SCALES | DNNL_ARG_SRC, wrap(memory::desc({1}, memory::data_type::f32, {1}), &alpha));
+    if (p.bias_kind != BiasKind::kNone) args.emplace(DNNL_ARG_BIAS, wrap(plan->bias, o.bias));
+    dnnl::stream s(engine());
     plan->matmul.execute(s, args);
     s.wait();
+  } catch (const dnnl::error& err) {
     omp_set_num_threads(team);
-    const int64_t total = p.batch * mn;
-    if (p.act == Act::kNone) {
-      if (p.store_z) std::memcpy(o.y, o.z, total * size);
-      return;
-    }
-    const auto& kernels = elementwise();
-    const int64_t chunk = 1 << 15, chunks = (total + chunk - 1) / chunk;
-    rt.parallel_for(chunks, [&](int64_t c) {
-      kernels.act(p.dtype, p.act, p.slope, dst, o.y, c * chunk, std::min(total, (c + 1) * chunk));
-    });
+    return ffi::Error(ffi::ErrorCode::kInternal, std::string("oneDNN: ") + err.what());
+  }
+  omp_set_num_threads(team);
+  if (p.act == Act::kNone) {
+    if (p.store_z) std::memcpy(o.y, o.z, total * size);
+    return ffi::Error::Success();
+  }
+  const auto& kernels = elementwise();
+  const int64_t chunk = 1 << 15, chunks = (total + chunk - 1) / chunk;
+  rt.parallel_for(chunks, [&](int64_t c) {
+    kernels.act(p.dtype, p.act, p.slope, dst, o.y, c * chunk, std::min(total, (c + 1) * chunk));
   });
+  return ffi::Error::Success();
 }
 
 const Register<GemmProblem, GemmOperands, CpuRuntime> kRegister({"cpu_onednn", 1, supports, run_gemm});
