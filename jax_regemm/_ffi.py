@@ -1,7 +1,7 @@
 """The XLA FFI custom calls, registered once per platform, and their raw calls.
 
-Both platforms export the same targets, GEMM_TARGET and DACT_TARGET
-(versioned names, ffi/regemm/module_util.h: what jax.export records). Each
+Both platforms export the same targets, GEMM_TARGET, DACT_TARGET and
+DGRAD_DACT_TARGET (versioned names, ffi/regemm/module_util.h: what jax.export records). Each
 call is bound as the primitive `regemm_call`, whose lowering adds one result
 the program never sees: the handler's device workspace, sized per platform
 (0 bytes on the CPU; on the GPU the CUDA module says how much,
@@ -42,7 +42,8 @@ except ImportError:
 
 GEMM_TARGET = "regemm_gemm_v1"
 DACT_TARGET = "regemm_dact_v1"
-TARGETS = (GEMM_TARGET, DACT_TARGET)
+DGRAD_DACT_TARGET = "regemm_dgrad_dact_v1"
+TARGETS = (GEMM_TARGET, DACT_TARGET, DGRAD_DACT_TARGET)
 
 
 def _register():
@@ -118,20 +119,28 @@ def _workspace_bytes(platform, target, avals_in, attrs):
     """Bytes of workspace the target's handler needs on `platform` (ffi/cuda/workspace.h)."""
     if platform != "cuda" or _regemm_cuda is None or np.dtype(avals_in[0].dtype).name not in _WORKSPACE_DTYPES:
         return 0  # (an unsupported dtype: the handler says so, with the shapes)
-    if target == GEMM_TARGET:
+    gemm = dact = 0
+    if target in (GEMM_TARGET, DGRAD_DACT_TARGET):
         a, b = avals_in[:2]
         nb = a.ndim - 2
         k, n = (b.shape[-1], b.shape[-2]) if attrs["trans_b"] else (b.shape[-2], b.shape[-1])
         size = lambda k, n, batch_b: _regemm_cuda.gemm_workspace_bytes(
             np.dtype(a.dtype).name, k, n, batch_b, attrs["trans_a"], attrs["trans_b"], attrs["exact_f32"]
         )
-        return _sized(target, size, k, n, math.prod(b.shape[:nb]))
-    gy = avals_in[0]
-    if attrs["bias_kind"] == "none":
-        return 0  # the partial bias sums are the whole workspace
-    batch = math.prod(jnp.broadcast_shapes(gy.shape[:-2], avals_in[1].shape[:-2]))
-    size = lambda m, n, batch: _regemm_cuda.dact_workspace_bytes(np.dtype(gy.dtype).name, m, n, batch, attrs["bias_kind"])
-    return _sized(target, size, gy.shape[-2], gy.shape[-1], batch)
+        gemm = _sized(target, size, k, n, math.prod(b.shape[:nb]))
+    if target in (DACT_TARGET, DGRAD_DACT_TARGET) and attrs["bias_kind"] != "none":  # else no partial bias sums
+        if target == DACT_TARGET:
+            gy, s = avals_in
+            m, n = gy.shape[-2:]
+            batch = math.prod(jnp.broadcast_shapes(gy.shape[:-2], s.shape[:-2]))
+        else:  # gZ is [batch..., M, N] with the batch of A, B and S
+            a, b, s = avals_in
+            m = a.shape[-1] if attrs["trans_a"] else a.shape[-2]
+            n = b.shape[-2] if attrs["trans_b"] else b.shape[-1]
+            batch = math.prod(jnp.broadcast_shapes(a.shape[:-2], b.shape[:-2], s.shape[:-2]))
+        size = lambda m, n, batch: _regemm_cuda.dact_workspace_bytes(np.dtype(s.dtype).name, m, n, batch, attrs["bias_kind"])
+        dact = _sized(target, size, m, n, batch)
+    return max(gemm, dact)  # the call's kernels run one after another: they share it
 
 
 def _call_lowering(platform):
@@ -198,4 +207,19 @@ def dact(gy, s, *, act, slope, from_y, bias_kind, bias_len):
     gz, gbias = _call(
         DACT_TARGET, (gz_t, gb_t), gy, s, act=act, slope=np.float64(slope), from_y=bool(from_y), bias_kind=bias_kind
     )
+    return gz, (gbias if bias_kind != "none" else None)
+
+
+def dgrad_dact(a, b, s, *, act, slope, from_y, bias_kind, bias_len, alpha, trans_a, trans_b, exact_f32):
+    """(gZ, gBias or None) = the dgrad_dact target: gZ = (alpha op(A) op(B)) * act'(S)."""
+    m = a.shape[-1] if trans_a else a.shape[-2]
+    n = b.shape[-2] if trans_b else b.shape[-1]
+    batch = _batch_shape((a, 2), (b, 2), (s, 2))
+    gz_t = jax.ShapeDtypeStruct(batch + (m, n), a.dtype)
+    gb_t = jax.ShapeDtypeStruct(batch + (bias_len if bias_kind != "none" else 0,), a.dtype)
+    gz, gbias = _call(
+        DGRAD_DACT_TARGET, (gz_t, gb_t), a, b, s, act=act, slope=np.float64(slope), from_y=bool(from_y),
+        bias_kind=bias_kind, alpha=np.float64(alpha), trans_a=bool(trans_a), trans_b=bool(trans_b),
+        exact_f32=bool(exact_f32),
+    )  # fmt: skip
     return gz, (gbias if bias_kind != "none" else None)

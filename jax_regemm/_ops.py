@@ -384,3 +384,221 @@ def dact(spec: _DactSpec, gy, s):
     """(gZ, gBias or None)."""
     outs = _dact_p.bind(*_same_varying_axes([gy, s]), spec=spec)
     return (outs[0], outs[1] if len(outs) > 1 else None)
+
+
+# ---------------------------------------------------------------------------
+# regemm_dgrad_dact: a dgrad GEMM with the backward epilogue of the layer below
+# ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _DgradDactSpec:
+    dact: _DactSpec
+    alpha: float
+    trans_a: bool
+    trans_b: bool
+    exact_f32: bool
+
+
+def _dgrad_dact_ref(a, b, s, *, spec):
+    acc = reference._acc_dtype(a.dtype)
+    gy = spec.alpha * jnp.matmul(_op(a, spec.trans_a), _op(b, spec.trans_b), precision=lax.Precision.HIGHEST
+                                 if spec.exact_f32 else None, preferred_element_type=acc)  # fmt: skip
+    return _dact_ref(gy.astype(a.dtype), s, spec=spec.dact)
+
+
+def _dgrad_dact_lower(a, b, s, *, spec):
+    d = spec.dact
+    gz, gbias = _partition.dgrad_dact(
+        a, b, s, act=d.act, slope=d.slope, from_y=d.from_y, bias_kind=d.bias_kind, alpha=spec.alpha,
+        trans_a=spec.trans_a, trans_b=spec.trans_b, exact_f32=spec.exact_f32,
+    )  # fmt: skip
+    return [gz] if gbias is None else [gz, gbias]
+
+
+def _dgrad_dact_jvp(primals, tangents, *, spec):
+    tangents = [ad.instantiate_zeros(t) for t in tangents]
+    _, t_out = jax.jvp(partial(_dgrad_dact_ref, spec=spec), tuple(primals), tuple(tangents))
+    return _dgrad_dact_p.bind(*primals, spec=spec), t_out
+
+
+def _dgrad_dact_batch(args, dims, *, spec):
+    outs = _dgrad_dact_p.bind(*[_lead(x, d) for x, d in zip(args, dims)], spec=spec)
+    return outs, [0] * len(outs)
+
+
+_dgrad_dact_p = _primitive("regemm_dgrad_dact", _dgrad_dact_ref, _dgrad_dact_lower)
+ad.primitive_jvps[_dgrad_dact_p] = _dgrad_dact_jvp
+batching.primitive_batchers[_dgrad_dact_p] = _dgrad_dact_batch
+
+
+def dgrad_dact(spec: _DgradDactSpec, a, b, s):
+    """(gZ, gBias or None): gZ = (alpha op(a) op(b)) * act'(s)."""
+    outs = _dgrad_dact_p.bind(*_same_varying_axes([a, b, s]), spec=spec)
+    return (outs[0], outs[1] if len(outs) > 1 else None)
+
+
+# ---------------------------------------------------------------------------
+# The MLP block: its layers' fused forwards, one linear primitive for its JVP
+# ---------------------------------------------------------------------------
+# h_0 = x [M, K_0], h_l = act_l(h_{l-1} @ W_l + b_l). The JVP is one primitive
+# over the whole stack (`regemm_mlp_lin`), so its transpose, the backward, sees
+# every layer: layer l's dgrad GEMM and layer l-1's backward epilogue are one
+# call (regemm_dgrad_dact: gZ_{l-1} = (gZ_l W_l^T) act'_{l-1}(S_{l-1}) and the
+# bias gradient), where layer-by-layer transposes run the GEMM and then a dact
+# pass over gY. Forward mode evaluates the primitive in plain JAX, as for
+# regemm_fused_lin.
+
+
+@dataclasses.dataclass(frozen=True)
+class MlpSpec:
+    cfgs: tuple  # each layer's Config (2-D operands; bias per column or none)
+
+
+def _mlp_kinds(spec):
+    return tuple(_residual_kind(c) for c in spec.cfgs)
+
+
+def _mlp_split(spec, args):
+    """Per layer (h_{l-1}, W_l, S_l or None, b_l or None (recompute only)), then the tangents
+    (dx, then dW_l and db_l (where the layer has a bias) per layer)."""
+    args = list(args)
+    layers = []
+    for cfg, kind in zip(spec.cfgs, _mlp_kinds(spec)):
+        h, w = args.pop(0), args.pop(0)
+        s = args.pop(0) if kind in ("z", "y") else None
+        b = args.pop(0) if kind == "recompute" and cfg.bias_kind != "none" else None
+        layers.append((h, w, s, b))
+    dx = args.pop(0)
+    dws, dbs = [], []
+    for cfg in spec.cfgs:
+        dws.append(args.pop(0))
+        dbs.append(args.pop(0) if cfg.bias_kind != "none" else None)
+    assert not args
+    return layers, dx, dws, dbs
+
+
+def _mlp_lin_ref(*args, spec):
+    layers, dh, dws, dbs = _mlp_split(spec, args)
+    for cfg, kind, (h, w, s, b), dw, db in zip(spec.cfgs, _mlp_kinds(spec), layers, dws, dbs):
+        res = [s] if kind in ("z", "y") else [b] if b is not None else []
+        has = (True, True) + ((True,) if cfg.bias_kind != "none" else ())
+        (dh,) = _lin_ref(h, w, *res, dh, dw, *([db] if db is not None else []), cfg=cfg, kind=kind, has=has)
+    return [dh]
+
+
+def _mlp_residual(cfg, kind, h, w, s, b):
+    """S_l (Z or Y of the layer), recomputed where the save policy keeps neither."""
+    if kind != "recompute":
+        return s
+    return fused(dataclasses.replace(cfg, act="none", return_z=False), h, w, b, None)
+
+
+def _mm_typed(x, y, t, **kw):
+    """matmul with the sharding type of the cotangent t (an undefined primal) where it has one."""
+    typ = _explicit(t.aval)
+    return matmul(x, y, out_sharding=typ if typ is not None and len(typ.spec) <= 2 else None, **kw)
+
+
+def _mlp_lin_transpose(cts, *args, spec):
+    (g,) = cts
+    layers, dx, dws, dbs = _mlp_split(spec, args)
+    n_res = len(args) - 1 - len(dws) - sum(db is not None for db in dbs)
+    undefined = lambda t: t is not None and ad.is_undefined_primal(t)
+    out_dws = [None] * len(dws)
+    out_dbs = [None] * len(dbs)
+    out_dx = None
+    if type(g) is ad.Zero:
+        return [None] * len(args)
+    kinds = _mlp_kinds(spec)
+    # needed_below[l]: a cotangent is wanted from layer l or below (so gZ_l must be made)
+    wanted = [undefined(dws[l]) or undefined(dbs[l]) for l in range(len(dws))]
+    needed_below = [undefined(dx) or any(wanted[: l + 1]) for l in range(len(dws))]
+    top = len(layers) - 1
+    cfg, (h, w, s, b) = spec.cfgs[top], layers[top]
+    if not needed_below[top]:
+        return [None] * len(args)
+    # gZ of the top layer: its own backward epilogue (a dact pass; none for act none)
+    want_b = undefined(dbs[top])
+    if cfg.act == "none":
+        gz, gb = g, None
+    else:
+        s = _mlp_residual(cfg, kinds[top], h, w, s, b)
+        dspec = _DactSpec(cfg.act, cfg.slope, kinds[top] == "y", cfg.bias_kind if want_b else "none", cfg.bias_shape[-1:])
+        gz, gb = dact(dspec, g, s)
+    for l in range(top, -1, -1):
+        cfg, (h, w, s, b) = spec.cfgs[l], layers[l]
+        if undefined(dbs[l]):
+            if gb is None:
+                gb = reference.bias_reduce(gz.astype(reference._acc_dtype(gz.dtype)), "per_col").astype(gz.dtype)
+            out_dbs[l] = jnp.reshape(gb, dbs[l].aval.shape)
+        mm = partial(_mm_typed, alpha=cfg.alpha, exact_f32=cfg.exact_f32)
+        if undefined(dws[l]):
+            out_dws[l] = mm(h, gz, dws[l], trans_x=True, trans_y=False)
+        if l == 0:
+            if undefined(dx):
+                out_dx = mm(gz, w, dx, trans_x=False, trans_y=True)
+            break
+        if not needed_below[l - 1]:
+            break
+        below, (hb, wb, sb, bb) = spec.cfgs[l - 1], layers[l - 1]
+        want_b = undefined(dbs[l - 1])
+        if below.act == "none":  # act' = 1: the plain dgrad GEMM
+            gz, gb = matmul(gz, w, trans_x=False, trans_y=True, alpha=cfg.alpha, exact_f32=cfg.exact_f32), None
+        else:  # the dgrad GEMM and the layer below's backward epilogue, one call
+            sb = _mlp_residual(below, kinds[l - 1], hb, wb, sb, bb)
+            dspec = _DactSpec(below.act, below.slope, kinds[l - 1] == "y", "per_col" if want_b else "none", ())
+            gz, gb = dgrad_dact(_DgradDactSpec(dspec, cfg.alpha, False, True, cfg.exact_f32), gz, w, sb)
+    out = [None] * n_res + [out_dx]
+    for cfg, dw, db in zip(spec.cfgs, out_dws, out_dbs):
+        out.append(dw)
+        if cfg.bias_kind != "none":
+            out.append(db)
+    return out
+
+
+def _mlp_lin_jvp(primals, tangents, *, spec):
+    tangents = [ad.instantiate_zeros(t) for t in tangents]
+    _, t_out = jax.jvp(partial(_mlp_lin_ref, spec=spec), tuple(primals), tuple(tangents))
+    return _mlp_lin_p.bind(*primals, spec=spec), t_out
+
+
+def _mlp_lin_batch(args, dims, *, spec):
+    outs = jax.vmap(partial(_mlp_lin_ref, spec=spec), in_axes=tuple(dims))(*args)
+    return outs, [0] * len(outs)
+
+
+_mlp_lin_p = _primitive("regemm_mlp_lin", _mlp_lin_ref, _mlp_lin_ref)
+ad.primitive_transposes[_mlp_lin_p] = _mlp_lin_transpose
+ad.primitive_jvps[_mlp_lin_p] = _mlp_lin_jvp
+batching.primitive_batchers[_mlp_lin_p] = _mlp_lin_batch
+
+
+@partial(jax.custom_jvp, nondiff_argnums=(0,))
+def mlp(spec: MlpSpec, x, weights, biases):
+    """h_L of the block (x [M, K_0]; weights a tuple; biases a tuple with None where absent)."""
+    h = x
+    for cfg, w, b in zip(spec.cfgs, weights, biases):
+        h = fused(cfg, h, w, b, None)
+    return h
+
+
+@mlp.defjvp
+def _mlp_jvp(spec, primals, tangents):
+    x, weights, biases = primals
+    dx, dws, dbs = tangents
+    h = x
+    res = []
+    for cfg, kind, w, b in zip(spec.cfgs, _mlp_kinds(spec), weights, biases):
+        outs = fused(dataclasses.replace(cfg, return_z=kind == "z"), h, w, b, None)
+        y = outs[0] if kind == "z" else outs
+        res += [h, w] + {"z": [outs[-1] if kind == "z" else None], "y": [y], "recompute": [b] if b is not None else [],
+                         "none": []}[kind]  # fmt: skip
+        h = y
+    tangent_args = [dx]
+    for w_t, b_t, b in zip(dws, dbs, biases):
+        tangent_args.append(w_t)
+        if b is not None:
+            tangent_args.append(b_t)
+    (dh,) = _mlp_lin_p.bind(*_same_varying_axes(res + tangent_args), spec=spec)
+    return h, dh

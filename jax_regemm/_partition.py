@@ -305,3 +305,89 @@ def dact(gy, s, **attrs):
     attrs = _Attrs(attrs, shapes=(tuple(gy.shape), tuple(s.shape)))
     out = _dact_cp(attrs, gy, s)
     return tuple(out) if attrs["bias_kind"] != "none" else (out, None)
+
+
+# ---------------------------------------------------------------------------
+# dgrad_dact: a GEMM whose output goes through dact (rg.mlp's backward)
+# ---------------------------------------------------------------------------
+# Planned as the GEMM with S in C's place (S is [.., M, N] like C). Batch, M or
+# N sharded -> the local call; the bias gradient's local sums are summed over
+# the mesh axes of the dims it reduces. K sharded -> local partial products,
+# their sum, then dact on the whole gY.
+
+
+def _dgrad_dact_ffi_attrs(attrs):
+    keys = ("act", "slope", "from_y", "bias_kind", "alpha", "trans_a", "trans_b", "exact_f32")
+    return {k: attrs[k] for k in keys}
+
+
+def _dgrad_dact_local(attrs, a, b, s):
+    kind = attrs["bias_kind"]
+    bias_len = {"per_col": s.shape[-1], "per_row": s.shape[-2], "scalar": 1}.get(kind, 0)  # of this shard
+    gz, gbias = _ffi.dgrad_dact(a, b, s, bias_len=bias_len, **_dgrad_dact_ffi_attrs(attrs))
+    return (gz, gbias) if kind != "none" else gz
+
+
+def _dgrad_dact_plan(attrs, mesh, arg_infos):
+    """(arg specs, gZ spec, gBias spec or None, K's mesh axes, the bias gradient's reduced mesh axes)."""
+    gemm_attrs = dict(attrs, has_bias=False, has_c=True)
+    arg_specs, gz_spec, k = _gemm_plan(gemm_attrs, mesh, arg_infos)
+    *batch, m, n = [_axes(e) for e in gz_spec]
+    kind = attrs["bias_kind"]
+    if kind == "none":
+        return arg_specs, gz_spec, None, k, ()
+    named = {"m": m, "n": n, "s": ()}
+    gb_spec = P(*[_entry(x) for x in batch], _entry(named[_BIAS_TAIL[kind][0]]))
+    return arg_specs, gz_spec, gb_spec, k, sum((named[d] for d in _REDUCED[kind]), ())
+
+
+def _dgrad_dact_partition(attrs, mesh, arg_infos, result_infos):
+    arg_specs, gz_spec, gb_spec, k, reduce_axes = _dgrad_dact_plan(attrs, mesh, arg_infos)
+
+    def lower(a, b, s):
+        if k:  # K split: the whole gY first (act' multiplies it), then dact
+            plain = dict(act="none", slope=0.0, alpha=attrs["alpha"], beta=0.0, trans_a=attrs["trans_a"],
+                         trans_b=attrs["trans_b"], bias_kind="none", store_z=False, exact_f32=attrs["exact_f32"])  # fmt: skip
+            partial_gy, _ = _ffi.gemm(a, b, None, None, **plain)
+            gy = jax.lax.psum(partial_gy.astype(reference._acc_dtype(a.dtype)), k).astype(a.dtype)
+            out = _dact_local(_Attrs({x: attrs[x] for x in ("act", "slope", "from_y", "bias_kind")}), gy, s)
+        else:
+            out = _dgrad_dact_local(attrs, a, b, s)
+        if gb_spec is None:
+            return out
+        gz, gbias = out
+        if reduce_axes:  # local sums of the bias gradient: the whole sum spans the devices along those dims
+            acc = reference._acc_dtype(gbias.dtype)
+            gbias = jax.lax.psum(gbias.astype(acc), reduce_axes).astype(gbias.dtype)
+        return gz, gbias
+
+    gz_s = NamedSharding(mesh, gz_spec)
+    outs = gz_s if gb_spec is None else (gz_s, NamedSharding(mesh, gb_spec))
+    return mesh, _no_context_mesh(lower), outs, tuple(NamedSharding(mesh, s) for s in arg_specs)
+
+
+def _dgrad_dact_infer(attrs, mesh, arg_infos, result_infos):
+    _, gz_spec, gb_spec, _, _ = _dgrad_dact_plan(attrs, mesh, arg_infos)
+    return NamedSharding(mesh, gz_spec) if gb_spec is None else (NamedSharding(mesh, gz_spec), NamedSharding(mesh, gb_spec))
+
+
+def _dgrad_dact_rule(attrs, mesh, value_types, result_types):
+    shapes = attrs["shapes"]
+    nb = len(shapes[0]) - 2
+    kind = attrs["bias_kind"]
+    outs = [("m", "n")] + ([_BIAS_TAIL[kind]] if kind != "none" else [])
+    tails = _gemm_tails(dict(attrs, has_bias=False, has_c=True), shapes)
+    return _sharding_rule_factors(shapes, nb, tails, outs)
+
+
+_dgrad_dact_cp = custom_partitioning(lambda attrs, a, b, s: _dgrad_dact_local(attrs, a, b, s), static_argnums=(0,))
+_dgrad_dact_cp.def_partition(
+    partition=_dgrad_dact_partition, infer_sharding_from_operands=_dgrad_dact_infer, sharding_rule=_dgrad_dact_rule
+)
+
+
+def dgrad_dact(a, b, s, **attrs):
+    """_ffi.dgrad_dact, partitioned over the mesh: (gZ, gBias or None)."""
+    attrs = _Attrs(attrs, shapes=(tuple(a.shape), tuple(b.shape), tuple(s.shape)))
+    out = _dgrad_dact_cp(attrs, a, b, s)
+    return tuple(out) if attrs["bias_kind"] != "none" else (out, None)

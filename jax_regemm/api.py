@@ -152,8 +152,8 @@ def mlp(
 
     x [..., K_0], weights[l] [K_l, K_{l+1}], biases None or a list of [K_{l+1}] vectors or None
     each. Each layer is one fused kernel keeping what its backward needs (`save`, as for
-    `dense`). The backward runs per layer today (the dact pass, then the dgrad and wgrad
-    GEMMs); act' folded into the next dgrad GEMM's epilogue is not built yet.
+    `dense`). The backward runs over the whole stack: each layer's dgrad GEMM and the
+    backward epilogue of the layer below it (act' and the bias gradient) are one call.
     """
     weights = list(weights)
     if not weights:
@@ -162,6 +162,9 @@ def mlp(
     if len(biases) != len(weights):
         raise ValueError(f"biases must have one entry (an [N] vector or None) per weight: got {len(biases)} for {len(weights)} weights")
     h = _array("x", x)
+    if h.ndim < 1:
+        raise ValueError(f"x must have rank >= 1 ([..., K]), got shape {h.shape}")
+    cfgs, ws, bs = [], [], []
     for i, (w, b) in enumerate(zip(weights, biases)):
         w = _array(f"weights[{i}]", w)
         if w.dtype != h.dtype:
@@ -178,8 +181,19 @@ def mlp(
             if b.shape != (w.shape[1],):
                 raise ValueError(f"biases[{i}] must have shape ({w.shape[1]},) for weights[{i}] of shape {w.shape}, got {b.shape}")
         layer_act = final_act if i == len(weights) - 1 else act
-        h = dense(h, w, b, act=layer_act, leaky_slope=leaky_slope, save=save, precision=precision)
-    return h
+        # The layer's static description from its operands' types (a [0, K] stand-in for its input).
+        cfg, _, w2, b2, _ = prepare(
+            jnp.zeros((0, w.shape[0]), h.dtype), w, b, None, act=layer_act, leaky_slope=leaky_slope, alpha=1.0,
+            beta=0.0, trans_a=False, trans_b=False, bias_kind=None if b is None else "per_col", save=save,
+            precision=precision, return_z=False, names=("x", f"weights[{i}]", f"biases[{i}]", "c"),
+        )  # fmt: skip
+        cfgs.append(cfg)
+        ws.append(w2)
+        bs.append(b2)
+        h = jax.ShapeDtypeStruct(h.shape[:-1] + (w.shape[1],), h.dtype)
+    x = jnp.reshape(x, (-1, x.shape[-1]))
+    y = _ops.mlp(_ops.MlpSpec(tuple(cfgs)), x, tuple(ws), tuple(bs))
+    return jnp.reshape(y, h.shape)
 
 
 def disabled_export_checks():

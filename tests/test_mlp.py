@@ -78,3 +78,37 @@ def test_mlp_errors_name_the_argument():
         rg.mlp(x, [ws[0], ws[1].astype(jnp.bfloat16)])
     with pytest.raises(ValueError, match="unknown activation|act"):
         rg.mlp(x, ws, bs, act="swish")
+
+
+def _custom_calls(f, *args):
+    hlo = jax.jit(f).lower(*args).as_text()
+    return {t: hlo.count(f"@{t}(") for t in ("regemm_gemm_v1", "regemm_dact_v1", "regemm_dgrad_dact_v1")}
+
+
+@pytest.mark.parametrize("save", ["auto", "z", "recompute"])
+def test_mlp_backward_folds_act_grad_into_dgrad(save):
+    """The block's backward: one dgrad_dact call per hidden layer (its act' and bias gradient
+    folded into the dgrad GEMM of the layer above), a dact pass only for the last layer's own
+    activation, and nothing asked for that is not needed (no dgrad GEMM of layer 0 when x's
+    gradient is not taken)."""
+    ws, bs = _block(jax.random.PRNGKey(6), [16, 24, 32, 8])
+    x = jnp.ones((10, 16))
+    grad_w = jax.grad(lambda ws, bs: jnp.sum(rg.mlp(x, ws, bs, act="silu", final_act="tanh", save=save) ** 2), argnums=(0, 1))
+    calls = _custom_calls(grad_w, ws, bs)
+    fwd = 3 + 3 * (save == "recompute")  # recompute: each layer's Z again, in the backward
+    assert calls == {"regemm_gemm_v1": fwd + 3, "regemm_dact_v1": 1, "regemm_dgrad_dact_v1": 2}, calls
+    grad_x = jax.grad(lambda x: jnp.sum(rg.mlp(x, ws, bs, act="relu") ** 2))
+    assert _custom_calls(grad_x, x) == {"regemm_gemm_v1": 3 + 1, "regemm_dact_v1": 0, "regemm_dgrad_dact_v1": 2}
+
+
+def test_mlp_bf16_grads_deep():
+    """Five bf16 layers: the folded backward's gradients against the f32 reference."""
+    k = jax.random.split(jax.random.PRNGKey(7), 2)
+    ws, bs = _block(k[0], [64, 96, 128, 96, 80, 32], jnp.bfloat16)
+    x = jax.random.normal(k[1], (48, 64), jnp.bfloat16)
+    loss = lambda f: lambda x, ws, bs: jnp.sum(f(x, ws, bs).astype(jnp.float32) ** 2)
+    g = jax.jit(jax.grad(loss(lambda *a: rg.mlp(*a, act="gelu")), argnums=(0, 1, 2)))(x, ws, bs)
+    f32 = jax.tree.map(lambda a: a.astype(jnp.float32), (x, ws, bs))
+    gr = jax.grad(loss(lambda *a: rg.reference.mlp(*a, act="gelu", precision=HI)), argnums=(0, 1, 2))(*f32)
+    for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(gr)):
+        assert a.dtype == jnp.bfloat16 and _rel(a, b) < 5e-2, _rel(a, b)

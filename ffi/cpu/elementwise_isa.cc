@@ -25,7 +25,8 @@ template <class T> void act_t(Act act, double slope, const void* z_, void* y_, i
   });
 }
 
-template <class T, Act kAct, bool kFromY>
+// kInPlace: gY is gZ's buffer (regemm_dgrad_dact), read through gz; gy is unused.
+template <class T, Act kAct, bool kFromY, bool kInPlace>
 void dact_t(const DactProblem& p, const T* __restrict gy, const T* __restrict s, T* __restrict gz, int64_t i0,
             int64_t i1, double* col, double* row_sums) {
   using A = acc_t<T>;
@@ -37,7 +38,7 @@ void dact_t(const DactProblem& p, const T* __restrict gy, const T* __restrict s,
     for (int64_t j = 0; j < p.n; ++j) {  // vectorizes: no calls, selects only
       const A sv = load<A>(s[off + j]);
       const A d = kFromY ? act_grad_from_y(kAct, sv, slope) : act_grad(kAct, sv, slope);
-      const A x = load<A>(gy[off + j]) * d;
+      const A x = load<A>(kInPlace ? gz[off + j] : gy[off + j]) * d;
       gz[off + j] = store<T>(x);
       g[j] = load<A>(store<T>(x));  // the bias gradient sums gZ as stored (one use of a 16-bit
                                     // struct per statement: GCC vectorizes that, not two)
@@ -55,11 +56,15 @@ void dact_rows_t(const DactProblem& p, const void* gy, const void* s, void* gz, 
                  double* row_sums) {
   with_act(p.act, [&](auto act) {
     constexpr Act k = decltype(act)::value;
-    auto run = [&](auto from_y) {
-      dact_t<T, k, decltype(from_y)::value>(p, static_cast<const T*>(gy), static_cast<const T*>(s),
-                                            static_cast<T*>(gz), i0, i1, col, row_sums);
+    auto run = [&](auto from_y, auto in_place) {
+      dact_t<T, k, decltype(from_y)::value, decltype(in_place)::value>(
+          p, in_place ? nullptr : static_cast<const T*>(gy), static_cast<const T*>(s), static_cast<T*>(gz), i0, i1,
+          col, row_sums);
     };
-    p.from_y ? run(std::true_type{}) : run(std::false_type{});
+    auto with_place = [&](auto from_y) {
+      gy == gz ? run(from_y, std::true_type{}) : run(from_y, std::false_type{});
+    };
+    p.from_y ? with_place(std::true_type{}) : with_place(std::false_type{});
   });
 }
 

@@ -3,7 +3,7 @@
 // Python as capsules, like the CPU module, with the workspace sizes the
 // lowering asks for (workspace.h).
 //
-// Both handlers declare the command-buffer trait: XLA may capture them into
+// Every handler declares the command-buffer trait: XLA may capture them into
 // CUDA graphs. That holds because nothing they enqueue outlives the graph's
 // resources: no host synchronisation, no allocation (the workspace is an XLA
 // buffer), and the cuBLAS handle is created under relaxed capture mode and
@@ -28,12 +28,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(regemm_gemm_cuda,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(regemm_dact_cuda,
                               (regemm::dact_handler<CudaRuntime, cudaStream_t>),
                               regemm::dact_binding<CudaRuntime>(), {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(regemm_dgrad_dact_cuda,
+                              (regemm::dgrad_dact_handler<CudaRuntime, cudaStream_t>),
+                              regemm::dgrad_dact_binding<CudaRuntime>(), {ffi::Traits::kCmdBufferCompatible});
 
 NB_MODULE(_regemm_cuda, m) {
   m.def("registrations", [] {
     nb::dict d;
     d[regemm::kGemmTarget] = nb::capsule(reinterpret_cast<void*>(regemm_gemm_cuda));
     d[regemm::kDactTarget] = nb::capsule(reinterpret_cast<void*>(regemm_dact_cuda));
+    d[regemm::kDgradDactTarget] = nb::capsule(reinterpret_cast<void*>(regemm_dgrad_dact_cuda));
     return d;
   });
   // The targets whose handlers are CUDA-graph safe. XLA learns the trait from
@@ -42,6 +46,7 @@ NB_MODULE(_regemm_cuda, m) {
     nb::list names;
     names.append(regemm::kGemmTarget);
     names.append(regemm::kDactTarget);
+    names.append(regemm::kDgradDactTarget);
     return names;
   });
   // Workspace bytes of a call (workspace.h); dtype by its NumPy name.

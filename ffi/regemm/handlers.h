@@ -70,6 +70,22 @@ inline ffi::Error check_operand(const char* name, const ffi::AnyBuffer& buf, int
   return ffi::Error::Success();
 }
 
+// M, N, K of op(A) @ op(B) (p's dtype and transposes set) and the batch rank
+// nb, with B checked against A.
+inline ffi::Error gemm_dims(const ffi::AnyBuffer& a, const ffi::AnyBuffer& b, GemmProblem* p, int64_t* nb) {
+  auto ad = a.dimensions(), bd = b.dimensions();
+  *nb = int64_t(ad.size()) - 2;
+  if (*nb < 0) return bad("A must have rank >= 2, got shape " + shape_str(ad));
+  if (int64_t(bd.size()) != *nb + 2) return bad("A " + shape_str(ad) + " and B " + shape_str(bd) + " differ in rank");
+  const int64_t i = *nb;
+  p->m = p->trans_a ? ad[i + 1] : ad[i];
+  p->k = p->trans_a ? ad[i] : ad[i + 1];
+  const int64_t kb = p->trans_b ? bd[i + 1] : bd[i];
+  p->n = p->trans_b ? bd[i] : bd[i + 1];
+  if (kb != p->k) return bad("contraction sizes differ: A " + shape_str(ad) + ", B " + shape_str(bd));
+  return check_operand("B", b, i, p->dtype, {bd[i], bd[i + 1]});
+}
+
 // ----------------------------------------------------------------------------
 // regemm_fwd: Y (, Z) = act(alpha * op(A) @ op(B) + beta * C + bias)
 // ----------------------------------------------------------------------------
@@ -88,16 +104,9 @@ ffi::Error gemm_handler(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer bias,
   p.has_c = has_c; p.store_z = store_z; p.exact_f32 = exact_f32;
 
   auto ad = a.dimensions(), bd = b.dimensions();
-  const int64_t nb = int64_t(ad.size()) - 2;
-  if (nb < 0) return bad("A must have rank >= 2, got shape " + shape_str(ad));
-  if (int64_t(bd.size()) != nb + 2) return bad("A " + shape_str(ad) + " and B " + shape_str(bd) + " differ in rank");
-  p.m = trans_a ? ad[nb + 1] : ad[nb];
-  p.k = trans_a ? ad[nb] : ad[nb + 1];
-  const int64_t kb = trans_b ? bd[nb + 1] : bd[nb];
-  p.n = trans_b ? bd[nb] : bd[nb + 1];
-  if (kb != p.k) return bad("contraction sizes differ: A " + shape_str(ad) + ", B " + shape_str(bd));
+  int64_t nb;
+  if (auto e = gemm_dims(a, b, &p, &nb); e.failure()) return e;
   const int64_t len = bias_length(p.bias_kind, p.m, p.n);
-  if (auto e = check_operand("B", b, nb, p.dtype, {bd[nb], bd[nb + 1]}); e.failure()) return e;
   if (p.bias_kind != BiasKind::kNone)
     if (auto e = check_operand("bias", bias, nb, p.dtype, {len}); e.failure()) return e;
   if (has_c)
@@ -224,6 +233,85 @@ constexpr auto dact_binding() {
                                .template Attr<double>("slope")
                                .template Attr<bool>("from_y")
                                .template Attr<std::string_view>("bias_kind"));
+}
+
+// ----------------------------------------------------------------------------
+// regemm_dgrad_dact: gZ = (alpha * op(A) @ op(B)) * act'(Z or Y), gBias from gZ
+// ----------------------------------------------------------------------------
+// A layer's dgrad GEMM with the backward epilogue of the layer below it, the
+// step of jax_regemm.mlp's backward: one call where a layer-by-layer backward
+// makes two (a GEMM writing gY, then the dact pass). The GEMM writes gZ's
+// buffer and the dact kernel rewrites it in place (both kernels' loops allow
+// gY == gZ), so nothing else is allocated.
+
+template <class Runtime, class... Ctx>
+ffi::Error dgrad_dact_handler(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer s, ffi::Result<ffi::AnyBuffer> gz,
+                              ffi::Result<ffi::AnyBuffer> gbias, ffi::Result<ffi::AnyBuffer> workspace,
+                              std::string_view act, double slope, bool from_y, std::string_view bias_kind,
+                              double alpha, bool trans_a, bool trans_b, bool exact_f32, Ctx... ctx) {
+  GemmProblem p;
+  DactProblem d;
+  if (!parse_act(act, &d.act)) return bad("unknown activation '" + std::string(act) + "'");
+  if (!parse_bias_kind(bias_kind, &d.bias_kind)) return bad("unknown bias kind '" + std::string(bias_kind) + "'");
+  if (!to_dtype(a.element_type(), &p.dtype)) return bad("A: unsupported element type");
+  if (from_y && !grad_from_y_ok(d.act, slope)) return bad("act' cannot be derived from Y for '" + std::string(act) + "'");
+  p.alpha = alpha; p.trans_a = trans_a; p.trans_b = trans_b; p.exact_f32 = exact_f32;
+  d.dtype = p.dtype; d.slope = slope; d.from_y = from_y;
+  int64_t nb;
+  if (auto e = gemm_dims(a, b, &p, &nb); e.failure()) return e;
+  d.m = p.m; d.n = p.n;
+  const int64_t len = bias_length(d.bias_kind, d.m, d.n);
+  if (auto e = check_operand("Z/Y", s, nb, p.dtype, {p.m, p.n}); e.failure()) return e;
+  if (auto e = check_operand("gZ", *gz, nb, p.dtype, {p.m, p.n}); e.failure()) return e;
+  if (d.bias_kind != BiasKind::kNone)
+    if (auto e = check_operand("gBias", *gbias, nb, p.dtype, {len}); e.failure()) return e;
+  ffi::Span<const int64_t> batch_dims(gz->dimensions().begin(), nb);
+  auto plan = plan_batch(batch_dims, {{a.dimensions(), p.m * p.k},
+                                      {b.dimensions(), p.k * p.n},
+                                      {s.dimensions(), p.m * p.n},
+                                      {gz->dimensions(), p.m * p.n},
+                                      {gbias->dimensions(), len}});
+  if (plan.has_error()) return plan.error();
+  if (plan->count == 0 || (p.m * p.n == 0 && len == 0)) return ffi::Error::Success();
+  p.batch = d.batch = plan->count;
+  p.stride_a = plan->stride[0]; p.stride_b = plan->stride[1];
+  d.stride_gy = p.m * p.n; d.stride_s = plan->stride[2];
+
+  const auto* gemm = GemmRegistry<Runtime>::get().select(p);
+  if (!gemm) return bad("no kernel supports this problem (dtype, act or layout)");
+  const auto* dact = DactRegistry<Runtime>::get().select(d);
+  if (!dact) return bad("no backward-epilogue kernel supports this problem");
+  Runtime rt(*workspace, ctx...);
+  if (auto e = rt.start(); e.failure()) return e;
+  return plan->for_each_outer([&](const int64_t* off) {
+    void* out = at(gz->untyped_data(), off[3], p.dtype);
+    GemmOperands g{at(a.untyped_data(), off[0], p.dtype), at(b.untyped_data(), off[1], p.dtype), nullptr, nullptr,
+                   out, nullptr};
+    if (p.m * p.n > 0)
+      if (auto e = rt.run(*gemm, p, g); e.failure()) return e;
+    DactOperands o{out, at(s.untyped_data(), off[2], p.dtype), out,
+                   d.bias_kind == BiasKind::kNone ? nullptr : at(gbias->untyped_data(), off[4], p.dtype)};
+    return rt.run(*dact, d, o);
+  });
+}
+
+template <class Runtime>
+constexpr auto dgrad_dact_binding() {
+  return Runtime::bind_ctx(ffi::Ffi::Bind()
+                               .template Arg<ffi::AnyBuffer>()  // a
+                               .template Arg<ffi::AnyBuffer>()  // b
+                               .template Arg<ffi::AnyBuffer>()  // z or y of the layer below
+                               .template Ret<ffi::AnyBuffer>()  // gz
+                               .template Ret<ffi::AnyBuffer>()  // gbias (size 0 when no bias)
+                               .template Ret<ffi::AnyBuffer>()  // workspace (bytes; see the top)
+                               .template Attr<std::string_view>("act")
+                               .template Attr<double>("slope")
+                               .template Attr<bool>("from_y")
+                               .template Attr<std::string_view>("bias_kind")
+                               .template Attr<double>("alpha")
+                               .template Attr<bool>("trans_a")
+                               .template Attr<bool>("trans_b")
+                               .template Attr<bool>("exact_f32"));
 }
 
 }  // namespace regemm

@@ -15,6 +15,7 @@ namespace regemm {
 // is a new target (_v2) beside the old one (README, "Export").
 inline constexpr const char* kGemmTarget = "regemm_gemm_v1";
 inline constexpr const char* kDactTarget = "regemm_dact_v1";
+inline constexpr const char* kDgradDactTarget = "regemm_dgrad_dact_v1";
 
 template <class Registry> nanobind::list kernel_names() {
   nanobind::list names;
