@@ -533,22 +533,23 @@ def _mlp_lin_transpose(cts, *args, spec):
                 gb = reference.bias_reduce(gz.astype(reference._acc_dtype(gz.dtype)), "per_col").astype(gz.dtype)
             out_dbs[l] = jnp.reshape(gb, dbs[l].aval.shape)
         mm = partial(_mm_typed, alpha=cfg.alpha, exact_f32=cfg.exact_f32)
-        if undefined(dws[l]):
-            out_dws[l] = mm(h, gz, dws[l], trans_x=True, trans_y=False)
+        tb = cfg.trans_b  # W stored [N, K]: op(W) = W^T
+        if undefined(dws[l]):  # g op(W) = h^T gZ
+            out_dws[l] = mm(gz, h, dws[l], trans_x=True, trans_y=False) if tb else mm(h, gz, dws[l], trans_x=True, trans_y=False)
         if l == 0:
-            if undefined(dx):
-                out_dx = mm(gz, w, dx, trans_x=False, trans_y=True)
+            if undefined(dx):  # gx = gZ op(W)^T
+                out_dx = mm(gz, w, dx, trans_x=False, trans_y=not tb)
             break
         if not needed_below[l - 1]:
             break
         below, (hb, wb, sb, bb) = spec.cfgs[l - 1], layers[l - 1]
         want_b = undefined(dbs[l - 1])
         if below.act == "none":  # act' = 1: the plain dgrad GEMM
-            gz, gb = matmul(gz, w, trans_x=False, trans_y=True, alpha=cfg.alpha, exact_f32=cfg.exact_f32), None
+            gz, gb = matmul(gz, w, trans_x=False, trans_y=not tb, alpha=cfg.alpha, exact_f32=cfg.exact_f32), None
         else:  # the dgrad GEMM and the layer below's backward epilogue, one call
             sb = _mlp_residual(below, kinds[l - 1], hb, wb, sb, bb)
             dspec = _DactSpec(below.act, below.slope, kinds[l - 1] == "y", "per_col" if want_b else "none", ())
-            gz, gb = dgrad_dact(_DgradDactSpec(dspec, cfg.alpha, False, True, cfg.exact_f32), gz, w, sb)
+            gz, gb = dgrad_dact(_DgradDactSpec(dspec, cfg.alpha, False, not tb, cfg.exact_f32), gz, w, sb)
     out = [None] * n_res + [out_dx]
     for cfg, dw, db in zip(spec.cfgs, out_dws, out_dbs):
         out.append(dw)
@@ -563,7 +564,33 @@ def _mlp_lin_jvp(primals, tangents, *, spec):
     return _mlp_lin_p.bind(*primals, spec=spec), t_out
 
 
+def _mlp_row_operands(spec):
+    """Which of regemm_mlp_lin's operands are [M, .] row blocks (x, the layers' inputs and S, dx);
+    the others are weights and biases and their tangents."""
+    rows = []
+    for cfg, kind in zip(spec.cfgs, _mlp_kinds(spec)):
+        rows += [True, False] + [True] * (kind in ("z", "y")) + [False] * (kind == "recompute" and cfg.bias_kind != "none")
+    rows.append(True)  # dx
+    for cfg in spec.cfgs:
+        rows += [False] + [False] * (cfg.bias_kind != "none")
+    return rows
+
+
 def _mlp_lin_batch(args, dims, *, spec):
+    rows = _mlp_row_operands(spec)
+    if all(d is None for d, r in zip(dims, rows) if not r):
+        # Weights shared by the batch (vmap over examples): the batch folds into M, so the
+        # backward stays the folded one, with batch x M rows.
+        size = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
+        flat = []
+        for x, d, r in zip(args, dims, rows):
+            if r:
+                x = jnp.broadcast_to(x, (size,) + x.shape) if d is None else jnp.moveaxis(x, d, 0)
+                m = x.shape[1]  # the same for every row operand
+                x = x.reshape((size * m,) + x.shape[2:])
+            flat.append(x)
+        (out,) = _mlp_lin_p.bind(*flat, spec=spec)
+        return [out.reshape((size, m) + out.shape[1:])], [0]
     outs = jax.vmap(partial(_mlp_lin_ref, spec=spec), in_axes=tuple(dims))(*args)
     return outs, [0] * len(outs)
 

@@ -156,6 +156,14 @@ def mlp(
     backward epilogue of the layer below it (act' and the bias gradient) are one call.
     """
     weights = list(weights)
+    acts = [act] * (len(weights) - 1) + [final_act]
+    return mlp_block(x, weights, biases, acts=acts, leaky_slope=leaky_slope, save=save, precision=precision)
+
+
+def mlp_block(x, weights, biases, *, acts, leaky_slope=0.01, save="auto", precision=None, weights_transposed=False):
+    """`mlp` with an activation per layer (acts), and weights stored [N, K] when
+    weights_transposed (Equinox's layout: read transposed in place, never copied)."""
+    weights = list(weights)
     if not weights:
         raise ValueError("weights must hold at least one [K, N] matrix, got none")
     biases = [None] * len(weights) if biases is None else list(biases)
@@ -164,33 +172,34 @@ def mlp(
     h = _array("x", x)
     if h.ndim < 1:
         raise ValueError(f"x must have rank >= 1 ([..., K]), got shape {h.shape}")
+    layout = "[N, K]" if weights_transposed else "[K, N]"
     cfgs, ws, bs = [], [], []
     for i, (w, b) in enumerate(zip(weights, biases)):
         w = _array(f"weights[{i}]", w)
         if w.dtype != h.dtype:
             raise TypeError(f"weights[{i}] has dtype {w.dtype} but x has {h.dtype}: mixed dtypes are not supported")
         if w.ndim != 2:
-            raise ValueError(f"weights[{i}] must have rank 2 ([K, N]), got shape {w.shape}")
-        if h.ndim < 1 or h.shape[-1] != w.shape[0]:
+            raise ValueError(f"weights[{i}] must have rank 2 ({layout}), got shape {w.shape}")
+        k, n = w.shape[::-1] if weights_transposed else w.shape
+        if h.ndim < 1 or h.shape[-1] != k:
             what = "x" if i == 0 else f"layer {i - 1}'s output"
             raise ValueError(f"weights[{i}] has shape {w.shape} but {what} has shape {h.shape}: its K must be {h.shape[-1:] or '?'}")
         if b is not None:
             b = _array(f"biases[{i}]", b)
             if b.dtype != h.dtype:
                 raise TypeError(f"biases[{i}] has dtype {b.dtype} but x has {h.dtype}: mixed dtypes are not supported")
-            if b.shape != (w.shape[1],):
-                raise ValueError(f"biases[{i}] must have shape ({w.shape[1]},) for weights[{i}] of shape {w.shape}, got {b.shape}")
-        layer_act = final_act if i == len(weights) - 1 else act
+            if b.shape != (n,):
+                raise ValueError(f"biases[{i}] must have shape ({n},) for weights[{i}] of shape {w.shape}, got {b.shape}")
         # The layer's static description from its operands' types (a [0, K] stand-in for its input).
         cfg, _, w2, b2, _ = prepare(
-            jnp.zeros((0, w.shape[0]), h.dtype), w, b, None, act=layer_act, leaky_slope=leaky_slope, alpha=1.0,
-            beta=0.0, trans_a=False, trans_b=False, bias_kind=None if b is None else "per_col", save=save,
+            jnp.zeros((0, k), h.dtype), w, b, None, act=acts[i], leaky_slope=leaky_slope, alpha=1.0, beta=0.0,
+            trans_a=False, trans_b=weights_transposed, bias_kind=None if b is None else "per_col", save=save,
             precision=precision, return_z=False, names=("x", f"weights[{i}]", f"biases[{i}]", "c"),
         )  # fmt: skip
         cfgs.append(cfg)
         ws.append(w2)
         bs.append(b2)
-        h = jax.ShapeDtypeStruct(h.shape[:-1] + (w.shape[1],), h.dtype)
+        h = jax.ShapeDtypeStruct(h.shape[:-1] + (n,), h.dtype)
     x = jnp.reshape(x, (-1, x.shape[-1]))
     y = _ops.mlp(_ops.MlpSpec(tuple(cfgs)), x, tuple(ws), tuple(bs))
     return jnp.reshape(y, h.shape)

@@ -21,7 +21,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from .api import gemm_bias_act
+from .api import gemm_bias_act, mlp_block
 
 
 class Linear(eqx.nn.Linear):
@@ -72,7 +72,9 @@ class MLP(eqx.Module):
     use_final_bias, dtype, key) and the same key use as `eqx.nn.MLP`, so the
     same key gives the same weights, and its array leaves come in the same
     order (a serialised `eqx.nn.MLP` loads into it). Each activation is fused
-    into its layer's kernel.
+    into its layer's kernel, and the stack runs as one `jax_regemm.mlp_block`, whose
+    backward folds each hidden layer's act' into the dgrad GEMM of the layer above
+    (under `jax.vmap` too: the examples become the GEMMs' rows).
     """
 
     layers: tuple[Linear, ...]
@@ -93,6 +95,16 @@ class MLP(eqx.Module):
         self.in_size, self.out_size, self.width_size, self.depth = in_size, out_size, width_size, depth
 
     def __call__(self, x, *, key=None):
-        for layer in self.layers:
-            x = layer(x)
-        return x
+        del key
+        first, last = self.layers[0], self.layers[-1]
+        if first.in_features == "scalar" or last.out_features == "scalar":
+            for layer in self.layers:  # the scalar shapes: layer by layer
+                x = layer(x)
+            return x
+        dtype = jnp.result_type(x, *[layer.weight for layer in self.layers])  # what `weight @ x` promotes to
+        weights = [layer.weight.astype(dtype) for layer in self.layers]
+        biases = [None if layer.bias is None else layer.bias.astype(dtype) for layer in self.layers]
+        return mlp_block(
+            x.astype(dtype), weights, biases, acts=[layer.activation for layer in self.layers],
+            leaky_slope=first.leaky_slope, save=first.save, weights_transposed=True,
+        )  # fmt: skip

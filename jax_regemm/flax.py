@@ -18,7 +18,7 @@ from typing import Sequence
 import flax.linen as nn
 import jax.numpy as jnp
 
-from .api import dense
+from .api import dense, mlp_block
 
 
 class Dense(nn.Dense):
@@ -48,10 +48,22 @@ class Dense(nn.Dense):
         )  # fmt: skip
 
 
-class MLP(nn.Module):
-    """A stack of `Dense` layers: `activation` after each hidden layer, `final_activation` last.
+class _DenseParams(nn.Dense):
+    """`Dense`'s parameters alone (same names, shapes, initialisers and RNG use), for `MLP`."""
 
-    Submodules are named `Dense_0`, `Dense_1`, ... as in an MLP written with `nn.Dense`.
+    @nn.compact
+    def __call__(self, in_features):
+        kernel = self.param("kernel", self.kernel_init, (in_features, self.features), self.param_dtype)
+        bias = self.param("bias", self.bias_init, (self.features,), self.param_dtype) if self.use_bias else None
+        return kernel, bias
+
+
+class MLP(nn.Module):
+    """A stack of dense layers: `activation` after each hidden layer, `final_activation` last.
+
+    The parameters are those of an MLP written with `nn.Dense` (`Dense_0/kernel`,
+    `Dense_0/bias`, ...: checkpoints load either way). The stack is one `jax_regemm.mlp_block`,
+    whose backward folds each hidden layer's act' into the dgrad GEMM of the layer above.
     """
 
     features: Sequence[int]
@@ -65,10 +77,17 @@ class MLP(nn.Module):
 
     @nn.compact
     def __call__(self, x):
+        kernels, biases = [], []
+        k = jnp.shape(x)[-1]
         for i, f in enumerate(self.features):
-            last = i == len(self.features) - 1
-            x = Dense(
-                f, use_bias=self.use_bias, dtype=self.dtype, param_dtype=self.param_dtype, precision=self.precision,
-                activation=self.final_activation if last else self.activation, save=self.save,
-            )(x)  # fmt: skip
-        return x
+            kernel, bias = _DenseParams(f, use_bias=self.use_bias, param_dtype=self.param_dtype, name=f"Dense_{i}")(k)
+            kernels.append(kernel)
+            biases.append(bias)
+            k = f
+        # Each Dense promotes its input with its parameters; here the one promotion covers all.
+        present = [b for b in biases if b is not None]
+        x, *rest = nn.dtypes.promote_dtype(x, *kernels, *present, dtype=self.dtype)
+        kernels, present = rest[: len(kernels)], iter(rest[len(kernels) :])
+        biases = [None if b is None else next(present) for b in biases]
+        acts = [self.activation] * (len(self.features) - 1) + [self.final_activation]
+        return mlp_block(x, kernels, biases, acts=acts, save=self.save, precision=self.precision)

@@ -17,7 +17,7 @@ from typing import Sequence
 from flax import nnx
 from jax import lax
 
-from .api import dense
+from .api import dense, mlp_block
 
 
 class Linear(nnx.Linear):
@@ -58,6 +58,8 @@ class MLP(nnx.Module):
     `activation` follows each hidden layer, `final_activation` the last; other
     keyword arguments (use_bias, dtype, param_dtype, precision, initialisers)
     go to every `Linear`. The state is `layers/0/kernel`, `layers/0/bias`, ...
+    The stack runs as one `jax_regemm.mlp_block`, whose backward folds each hidden
+    layer's act' into the dgrad GEMM of the layer above.
     """
 
     def __init__(self, features: Sequence[int], *, activation: str = "relu", final_activation: str = "none",
@@ -72,6 +74,14 @@ class MLP(nnx.Module):
         )
 
     def __call__(self, x):
-        for layer in self.layers:
-            x = layer(x)
-        return x
+        first = self.layers[0]  # the layers share dtype, precision, save and slope (linear_kwargs)
+        kernels = [layer.kernel[...] for layer in self.layers]
+        biases = [layer.bias[...] if layer.bias is not None else None for layer in self.layers]
+        present = [b for b in biases if b is not None]
+        x, *rest = first.promote_dtype((x, *kernels, *present), dtype=first.dtype)
+        kernels, present = rest[: len(kernels)], iter(rest[len(kernels) :])
+        biases = [None if b is None else next(present) for b in biases]
+        return mlp_block(
+            x, kernels, biases, acts=[layer.activation for layer in self.layers], leaky_slope=first.leaky_slope,
+            save=first.save, precision=first.precision,
+        )  # fmt: skip

@@ -112,3 +112,54 @@ def test_mlp_bf16_grads_deep():
     gr = jax.grad(loss(lambda *a: rg.reference.mlp(*a, act="gelu", precision=HI)), argnums=(0, 1, 2))(*f32)
     for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(gr)):
         assert a.dtype == jnp.bfloat16 and _rel(a, b) < 5e-2, _rel(a, b)
+
+
+def test_mlp_modules_run_the_folded_backward():
+    """The MLP modules of flax.linen, nnx and Equinox (the latter under jax.vmap over examples,
+    which folds the batch into the GEMMs' rows) differentiate through the block: one dgrad_dact
+    call per hidden layer, and their gradients match plain nn.Dense / eqx.nn.MLP."""
+    flax_nn = pytest.importorskip("flax.linen")
+    nnx = pytest.importorskip("flax.nnx")
+    eqx = pytest.importorskip("equinox")
+    import jax_regemm.equinox as reqx
+    import jax_regemm.flax as rflax
+    import jax_regemm.nnx as rnnx
+
+    from conftest import tol
+
+    x = jax.random.normal(jax.random.PRNGKey(8), (12, 16))
+    t = tol(jnp.float32)  # both sides at default precision (TF32 on a GPU)
+    # flax.linen
+    ours = rflax.MLP([24, 32, 8], activation="gelu")
+    params = ours.init(jax.random.PRNGKey(9), x)
+    loss = lambda p: jnp.sum(ours.apply(p, x) ** 2)
+    assert _custom_calls(jax.grad(loss), params)["regemm_dgrad_dact_v1"] == 2
+
+    class Plain(flax_nn.Module):
+        @flax_nn.compact
+        def __call__(self, x):
+            for i, f in enumerate([24, 32, 8]):
+                x = flax_nn.Dense(f)(x)
+                x = jax.nn.gelu(x, approximate=True) if i < 2 else x
+            return x
+
+    g = jax.grad(loss)(params)
+    gr = jax.grad(lambda p: jnp.sum(Plain().apply(p, x) ** 2))(params)
+    for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(gr)):
+        assert _rel(a, b) < t
+    # nnx
+    model = rnnx.MLP([16, 24, 8], activation="silu", rngs=nnx.Rngs(0))
+    nloss = lambda m: jnp.sum(m(x) ** 2)
+    gn = nnx.grad(nloss)(model)
+    assert _custom_calls(lambda m: jax.tree.leaves(nnx.grad(nloss)(m)), model)["regemm_dgrad_dact_v1"] == 1
+    ref = lambda m: jnp.sum(rg.reference.mlp(x, [l.kernel[...] for l in m.layers], [l.bias[...] for l in m.layers], act="silu") ** 2)  # fmt: skip
+    for a, b in zip(jax.tree.leaves(gn), jax.tree.leaves(nnx.grad(ref)(model))):
+        assert _rel(a, b) < t
+    # Equinox, per example under vmap
+    em = reqx.MLP(16, 8, 24, 2, activation="relu", key=jax.random.PRNGKey(10))
+    pm = eqx.nn.MLP(16, 8, 24, 2, activation=jax.nn.relu, key=jax.random.PRNGKey(10))
+    eloss = lambda m: jnp.sum(jax.vmap(m)(x) ** 2)
+    assert _custom_calls(jax.grad(eloss), em)["regemm_dgrad_dact_v1"] == 2
+    ge, gp = eqx.filter_grad(eloss)(em), eqx.filter_grad(eloss)(pm)
+    for a, b in zip(jax.tree.leaves(ge), jax.tree.leaves(gp)):
+        assert _rel(a, b) < t

@@ -3,7 +3,7 @@ compute-sanitizer (memcheck, racecheck, initcheck): tiny shapes, all dtypes,
 both SIMT tiles, every bias kind of the backward epilogue, the cuBLAS GEMMs
 (every transpose), the CUTLASS kernels on a Hopper GPU (16-byte rows: in
 "plain" mode the tuner runs every configuration, the kernels of one activation
-included), batches, K = 0 and M = 0.
+included), batches, rg.mlp's backward (dgrad_dact), K = 0 and M = 0.
 
     python tools/sanitize_workload.py plain    # XLA command buffers off
     python tools/sanitize_workload.py graphs   # every regemm call captured into a CUDA graph
@@ -101,6 +101,15 @@ def main():
     xs = rand((5, 9, 8), jnp.float32)
     g = jax.jit(jax.grad(lambda w: jnp.sum(jax.vmap(lambda x: rg.dense(x, w, act="silu"))(xs) ** 2)))(w)
     assert np.all(np.isfinite(np.asarray(g)))
+    # rg.mlp's backward: dgrad_dact (the GEMM into gZ, the backward epilogue in place), bf16 rows
+    # of 16 bytes and f32 ragged ones, S = Z and S = Y.
+    for dtype, dims, act in ((jnp.bfloat16, (64, 136, 72, 40), "gelu"), (jnp.float32, (19, 37, 23, 11), "relu")):
+        ws = [rand((k, n), dtype) for k, n in zip(dims, dims[1:])]
+        bs = [rand((n,), dtype) for n in dims[1:]]
+        xb = rand((45, dims[0]), dtype)
+        loss = lambda x, ws, bs: jnp.sum(rg.mlp(x, ws, bs, act=act).astype(jnp.float32) ** 2)
+        for g in jax.tree.leaves(jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(xb, ws, bs)):
+            assert np.all(np.isfinite(np.asarray(g, np.float32))), (dtype, act)
     # K = 0 (Y = act(beta C + bias)) and M = 0 (gBias = 0).
     case(6, 5, 0, jnp.float32, "gelu", "per_col", with_c=True)
     case(0, 5, 3, jnp.float32, "gelu", "per_col")
