@@ -119,28 +119,27 @@ def _workspace_bytes(platform, target, avals_in, attrs):
     """Bytes of workspace the target's handler needs on `platform` (ffi/cuda/workspace.h)."""
     if platform != "cuda" or _regemm_cuda is None or np.dtype(avals_in[0].dtype).name not in _WORKSPACE_DTYPES:
         return 0  # (an unsupported dtype: the handler says so, with the shapes)
-    gemm = dact = 0
+    dtype = np.dtype(avals_in[0].dtype).name
     if target in (GEMM_TARGET, DGRAD_DACT_TARGET):
         a, b = avals_in[:2]
         nb = a.ndim - 2
+        m = a.shape[-1] if attrs["trans_a"] else a.shape[-2]
         k, n = (b.shape[-1], b.shape[-2]) if attrs["trans_b"] else (b.shape[-2], b.shape[-1])
-        size = lambda k, n, batch_b: _regemm_cuda.gemm_workspace_bytes(
-            np.dtype(a.dtype).name, k, n, batch_b, attrs["trans_a"], attrs["trans_b"], attrs["exact_f32"]
+        flags = (attrs["trans_a"], attrs["trans_b"], attrs["exact_f32"])
+        if target == GEMM_TARGET:
+            size = lambda k, n, batch_b: _regemm_cuda.gemm_workspace_bytes(dtype, k, n, batch_b, *flags)
+            return _sized(target, size, k, n, math.prod(b.shape[:nb]))
+        batch = math.prod(jnp.broadcast_shapes(*(x.shape[:-2] for x in avals_in)))
+        size = lambda m, n, k, batch, batch_b: _regemm_cuda.dgrad_dact_workspace_bytes(
+            dtype, m, n, k, batch, batch_b, attrs["bias_kind"], *flags
         )
-        gemm = _sized(target, size, k, n, math.prod(b.shape[:nb]))
-    if target in (DACT_TARGET, DGRAD_DACT_TARGET) and attrs["bias_kind"] != "none":  # else no partial bias sums
-        if target == DACT_TARGET:
-            gy, s = avals_in
-            m, n = gy.shape[-2:]
-            batch = math.prod(jnp.broadcast_shapes(gy.shape[:-2], s.shape[:-2]))
-        else:  # gZ is [batch..., M, N] with the batch of A, B and S
-            a, b, s = avals_in
-            m = a.shape[-1] if attrs["trans_a"] else a.shape[-2]
-            n = b.shape[-2] if attrs["trans_b"] else b.shape[-1]
-            batch = math.prod(jnp.broadcast_shapes(a.shape[:-2], b.shape[:-2], s.shape[:-2]))
-        size = lambda m, n, batch: _regemm_cuda.dact_workspace_bytes(np.dtype(s.dtype).name, m, n, batch, attrs["bias_kind"])
-        dact = _sized(target, size, m, n, batch)
-    return max(gemm, dact)  # the call's kernels run one after another: they share it
+        return _sized(target, size, m, n, k, batch, math.prod(b.shape[:nb]))
+    gy, s = avals_in
+    if attrs["bias_kind"] == "none":
+        return 0  # the partial bias sums are the whole workspace
+    batch = math.prod(jnp.broadcast_shapes(gy.shape[:-2], s.shape[:-2]))
+    size = lambda m, n, batch: _regemm_cuda.dact_workspace_bytes(dtype, m, n, batch, attrs["bias_kind"])
+    return _sized(target, size, gy.shape[-2], gy.shape[-1], batch)
 
 
 def _call_lowering(platform):

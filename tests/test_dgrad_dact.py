@@ -65,3 +65,73 @@ def test_dgrad_dact_bias_kinds_transposes_batches(rand, kind, ta, tb):
     else:
         assert gb.shape == (2, 3, bias_len)
         assert_rel(gb, gb_ref, dtype, jax.lax.Precision.HIGHEST, "gBias")
+
+
+# ---------------------------------------------------------------------------
+# The GPU's fused kernel (CUTLASS sm90: the act' in the dgrad GEMM's epilogue,
+# the bias gradient from per-tile partial sums). Skips without it.
+# ---------------------------------------------------------------------------
+
+
+def _cuda():
+    try:
+        from jax_regemm import _regemm_cuda
+    except ImportError:
+        return None
+    return _regemm_cuda if "cutlass_sm90" in str(_ffi.kernels().get("cuda", {}).get("dgrad_dact", [])) else None
+
+
+CUDA = _cuda() if jax.default_backend() == "gpu" else None
+gpu = pytest.mark.skipif(CUDA is None, reason="needs a Hopper GPU and the CUDA module's CUTLASS kernels")
+
+
+def _fused_case(rand, dtype, ta_shape_b, act, from_y, kind, batch=(), m=300, n=200, k=136):
+    tb = ta_shape_b
+    a = rand.normal(batch + (m, k), dtype)
+    b = rand.normal(batch + ((n, k) if tb else (k, n)), dtype, scale=1 / np.sqrt(k))
+    z = rand.normal(batch + (m, n), dtype)
+    s, gz_ref, gb_ref = _np_case(a, b, z, act=act, from_y=from_y, kind=kind, alpha=1.0, ta=False, tb=tb, dtype=dtype)
+    f = jax.jit(lambda a, b, s: _ffi.dgrad_dact(a, b, s, act=act, slope=0.01, from_y=from_y, bias_kind=kind,
+                                                bias_len=n if kind == "per_col" else 0, alpha=1.0, trans_a=False,
+                                                trans_b=tb, exact_f32=False))  # fmt: skip
+    return f, (a, b, jnp.asarray(s, dtype)), gz_ref, gb_ref
+
+
+@gpu
+@pytest.mark.parametrize("config", ["ping128x128c1", "coop128x256"])
+@pytest.mark.parametrize("dtype,tb", [(jnp.bfloat16, True), (jnp.bfloat16, False), (jnp.float16, True), (jnp.float32, True)])
+@pytest.mark.parametrize("act,from_y", [("gelu", False), ("silu", False), ("relu", True), ("tanh", True), ("gelu_erf", False)])
+def test_fused_kernel_against_numpy(rand, monkeypatch, config, dtype, tb, act, from_y):
+    """Partial tiles in M (300) and N (200), both configurations: one launch of the fused kernel
+    per call, gZ and the bias gradient against float64 NumPy, and gZ as the composed way's
+    (GEMM, then the dact pass: REGEMM_FUSED_DGRAD=0) within the dtype's tolerance."""
+    from conftest import tol
+
+    monkeypatch.setenv("REGEMM_CUTLASS_CONFIG", config)
+    f, args, gz_ref, gb_ref = _fused_case(rand, dtype, tb, act, from_y, "per_col")
+    n0 = CUDA.cutlass_dgrad_dact_launches()
+    gz, gb = jax.block_until_ready(f(*args))
+    assert CUDA.cutlass_dgrad_dact_launches() == n0 + 1
+    assert_rel(gz, gz_ref, dtype, None, f"gZ {act}")
+    assert_rel(gb, gb_ref, dtype, None, f"gBias {act}")
+    monkeypatch.setenv("REGEMM_FUSED_DGRAD", "0")
+    gz0, gb0 = jax.block_until_ready(f(*args))
+    assert CUDA.cutlass_dgrad_dact_launches() == n0 + 1
+    assert np.linalg.norm(f64(gz) - f64(gz0)) <= tol(dtype) * np.linalg.norm(f64(gz0))
+
+
+@gpu
+def test_fused_kernel_batches_and_no_bias(rand):
+    """A batch of per-entry operands (CUTLASS's L mode: per-entry partial sums), and no bias
+    gradient (no partials at all); the bias gradient is the same bits on every run."""
+    f, args, gz_ref, gb_ref = _fused_case(rand, jnp.bfloat16, True, "gelu", False, "per_col", batch=(3,))
+    n0 = CUDA.cutlass_dgrad_dact_launches()
+    gz, gb = f(*args)
+    assert_rel(gz, gz_ref, jnp.bfloat16, None, "gZ")
+    assert_rel(gb, gb_ref, jnp.bfloat16, None, "gBias")
+    np.testing.assert_array_equal(np.asarray(f(*args)[1], np.float32), np.asarray(gb, np.float32))
+    f, args, gz_ref, _ = _fused_case(rand, jnp.bfloat16, True, "silu", False, "none")
+    gz, gb = f(*args)
+    assert gb is None
+    assert_rel(gz, gz_ref, jnp.bfloat16, None, "gZ")
+    assert CUDA.cutlass_dgrad_dact_launches() == n0 + 3

@@ -60,28 +60,40 @@ target_compile_options(regemm_cutlass PRIVATE
 target_include_directories(regemm_cutlass PRIVATE
   "${_regemm_cutlass_root}/include" "${_regemm_cutlass_root}/tools/util/include" "${_regemm_cutlass_src}")
 
-# Prebuilt objects count only if built from these very sources (the stamp of
-# ffi/cuda/cutlass_stamp.sh: keep the file lists equal).
-set(_regemm_cutlass_use_prebuilt FALSE)
-if(REGEMM_CUTLASS_PREBUILT AND EXISTS "${REGEMM_CUTLASS_PREBUILT}/sources.sha256")
-  set(_stamp_lines "")
-  foreach(_f "${_regemm_cutlass_src}/cutlass_inst.cu.in" "${_regemm_cutlass_src}/cutlass_gemm.cuh"
-             "${_regemm_cutlass_src}/cutlass_epilogue.cuh" "${_regemm_cutlass_src}/cutlass_kernels.h"
-             "${_regemm_cutlass_src}/../regemm/problem.h" "${_regemm_cutlass_src}/../regemm/activation.h"
-             "${_regemm_cutlass_src}/../regemm/numeric.h" "${_regemm_cutlass_src}/../regemm/host_math.h"
-             "${_regemm_cutlass_root}/include/cutlass/version.h")
-    file(SHA256 "${_f}" _h)
-    string(APPEND _stamp_lines "${_h}\n")
-  endforeach()
-  string(SHA256 _stamp "${_stamp_lines}")
-  file(STRINGS "${REGEMM_CUTLASS_PREBUILT}/sources.sha256" _have LIMIT_COUNT 1)
-  if(_have STREQUAL _stamp)
-    set(_regemm_cutlass_use_prebuilt TRUE)
-    message(STATUS "jax_regemm: linking prebuilt CUTLASS kernels from ${REGEMM_CUTLASS_PREBUILT}")
-  else()
-    message(WARNING "jax_regemm: ${REGEMM_CUTLASS_PREBUILT} was built from other sources; compiling the kernels")
+# Prebuilt objects count only if built from these very sources (the stamps of
+# ffi/cuda/cutlass_stamp.sh: keep the file lists equal): the forward kernels'
+# stamp covers their sources; the dgrad kernels' stamp those and their own, so
+# that changing a dgrad source rebuilds the dgrad kernels alone.
+set(_regemm_cutlass_fwd_files
+    "${_regemm_cutlass_src}/cutlass_inst.cu.in" "${_regemm_cutlass_src}/cutlass_gemm.cuh"
+    "${_regemm_cutlass_src}/cutlass_epilogue.cuh" "${_regemm_cutlass_src}/cutlass_kernels.h"
+    "${_regemm_cutlass_src}/../regemm/problem.h" "${_regemm_cutlass_src}/../regemm/activation.h"
+    "${_regemm_cutlass_src}/../regemm/numeric.h" "${_regemm_cutlass_src}/../regemm/host_math.h"
+    "${_regemm_cutlass_root}/include/cutlass/version.h")
+set(_regemm_cutlass_dgrad_files ${_regemm_cutlass_fwd_files}
+    "${_regemm_cutlass_src}/cutlass_dgrad_inst.cu.in" "${_regemm_cutlass_src}/cutlass_dgrad.cuh"
+    "${_regemm_cutlass_src}/cutlass_dgrad.h")
+function(_regemm_cutlass_stamp_ok files stamp_file out)
+  set(${out} FALSE PARENT_SCOPE)
+  if(NOT REGEMM_CUTLASS_PREBUILT OR NOT EXISTS "${REGEMM_CUTLASS_PREBUILT}/${stamp_file}")
+    return()
   endif()
-endif()
+  set(_lines "")
+  foreach(_f IN LISTS files)
+    file(SHA256 "${_f}" _h)
+    string(APPEND _lines "${_h}\n")
+  endforeach()
+  string(SHA256 _stamp "${_lines}")
+  file(STRINGS "${REGEMM_CUTLASS_PREBUILT}/${stamp_file}" _have LIMIT_COUNT 1)
+  if(_have STREQUAL _stamp)
+    set(${out} TRUE PARENT_SCOPE)
+    message(STATUS "jax_regemm: linking prebuilt CUTLASS kernels (${stamp_file}) from ${REGEMM_CUTLASS_PREBUILT}")
+  else()
+    message(WARNING "jax_regemm: ${REGEMM_CUTLASS_PREBUILT} (${stamp_file}) was built from other sources; compiling those kernels")
+  endif()
+endfunction()
+_regemm_cutlass_stamp_ok("${_regemm_cutlass_fwd_files}" sources.sha256 _regemm_cutlass_use_prebuilt)
+_regemm_cutlass_stamp_ok("${_regemm_cutlass_dgrad_files}" dgrad_sources.sha256 _regemm_cutlass_use_prebuilt_dgrad)
 
 set(_regemm_cutlass_configs kCoop128x256 kPing128x128 kStreamK128x128 kPing128x128c1)
 set(_regemm_cutlass_short_kCoop128x256 coop)
@@ -133,6 +145,33 @@ foreach(_dt IN LISTS REGEMM_CUTLASS_DTYPES)
         endforeach()
       endforeach()
     endforeach()
+  endforeach()
+endforeach()
+
+# regemm_dgrad_dact's kernels (cutlass_dgrad_inst.cu.in): A not transposed, B
+# transposed (the weights of rg.mlp, flax and nnx) or not (bf16: Equinox's [out,
+# in] weights; f32 there would be the transposed-problem layout), in the
+# configurations of kDgradConfigs (cutlass_kernels.h; cutlass_prebuild.sh has the same list).
+set(_regemm_cutlass_dgrad_kernels bf16:false bf16:true f16:true f32:true)
+foreach(_k IN LISTS _regemm_cutlass_dgrad_kernels)
+  string(REPLACE ":" ";" _k "${_k}")
+  list(GET _k 0 _dt)
+  list(GET _k 1 _tb)
+  if(NOT _dt IN_LIST REGEMM_CUTLASS_DTYPES)
+    continue()
+  endif()
+  foreach(_cfg kPing128x128c1 kCoop128x256)
+    set(REGEMM_DT ${_regemm_cutlass_enum_${_dt}})
+    set(REGEMM_TB ${_tb})
+    set(REGEMM_CFG ${_cfg})
+    string(SUBSTRING ${_tb} 0 1 _b)
+    set(_name "cutlass_dgrad_${_dt}_f${_b}_${_regemm_cutlass_short_${_cfg}}")
+    if(_regemm_cutlass_use_prebuilt_dgrad AND EXISTS "${REGEMM_CUTLASS_PREBUILT}/${_name}.o")
+      list(APPEND _regemm_cutlass_prebuilt_objs "${REGEMM_CUTLASS_PREBUILT}/${_name}.o")
+    else()
+      configure_file("${_regemm_cutlass_src}/cutlass_dgrad_inst.cu.in" "${CMAKE_CURRENT_BINARY_DIR}/cutlass_inst/${_name}.cu" @ONLY)
+      target_sources(regemm_cutlass PRIVATE "${CMAKE_CURRENT_BINARY_DIR}/cutlass_inst/${_name}.cu")
+    endif()
   endforeach()
 endforeach()
 

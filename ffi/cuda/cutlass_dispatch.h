@@ -12,6 +12,7 @@
 //   cutlass_dispatch.cu).
 #pragma once
 
+#include "cutlass_dgrad.h"
 #include "cutlass_kernels.h"
 #include "epilogue_pass.h"
 
@@ -43,5 +44,15 @@ Status run_choice(const GemmProblem& p, const GemmOperands& o, const Launch& l, 
 
 // The name of the choice run() makes for p. For tests and benchmarks.
 const char* rule_choice_name(const GemmProblem& p, const DeviceInfo& dev);
+
+// regemm_dgrad_dact in one kernel (cutlass_kernels.h, run_dgrad_dact) plus,
+// with a bias gradient, the in-order sum of its tiles' partials into gbias:
+// whether it can run (p: the plain dgrad GEMM; d: the backward epilogue), the
+// workspace its partials take (workspace.h, dgrad_partials_bytes), and the run (the configuration by rule, or
+// REGEMM_CUTLASS_CONFIG where built).
+bool can_run_dgrad_dact(const GemmProblem& p, const DactProblem& d);
+bool can_launch_dgrad_dact(const DgradOperands& o);
+Status run_dgrad_dact(const GemmProblem& p, const DactProblem& d, const DgradOperands& o, void* gbias,
+                      const Launch& l);
 
 }  // namespace regemm::cutlass_sm90

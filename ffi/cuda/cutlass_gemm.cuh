@@ -80,8 +80,9 @@ inline constexpr int kTileK = 128 / int(sizeof(typename Elem<D>::type));
 
 // The kernel type for a dtype, the operand layouts, a ConfigTraits-like Cfg
 // (Tile, Cluster, Mainloop, Epilogue, Scheduler, kActCall) and the
-// activations its epilogue computes (cutlass_kernels.h: kAnyAct or one).
-template <DType D, bool TA, bool TB, class Cfg_, int OneAct = kAnyAct>
+// activations its epilogue computes (cutlass_kernels.h: kAnyAct or one); or
+// another epilogue, Fusion_ (regemm_dgrad_dact's, cutlass_dgrad.cuh).
+template <DType D, bool TA, bool TB, class Cfg_, int OneAct = kAnyAct, class Fusion_ = void>
 struct GemmTypeOf {
   using T = typename Elem<D>::type;
   using Cfg = Cfg_;
@@ -93,7 +94,8 @@ struct GemmTypeOf {
   using LayoutB = std::conditional_t<TB || kSwap, ColMajor, RowMajor>;
   using LayoutC = std::conditional_t<kSwap, ColMajor, RowMajor>;
   static constexpr int kOneAct = OneAct;
-  using Fusion = RegemmFusion<T, float, T, T, LayoutC, Cfg::kActCall, OneAct>;
+  using Fusion = std::conditional_t<std::is_void_v<Fusion_>,
+                                    RegemmFusion<T, float, T, T, LayoutC, Cfg::kActCall, OneAct>, Fusion_>;
 
   // Epilogue subtiles: CUTLASS's default (128x32 cooperative, 64x32 ping-pong).
   // 128x16 would leave the 128x256 bf16 mainloop 4 smem stages instead of 3,
@@ -116,8 +118,8 @@ struct GemmTypeOf {
                                                       CollectiveEpilogue, typename Cfg::Scheduler>;
 };
 
-template <DType D, bool TA, bool TB, Config C, int OneAct = kAnyAct>
-using GemmType = GemmTypeOf<D, TA, TB, ConfigTraits<C, kTileK<D>>, OneAct>;
+template <DType D, bool TA, bool TB, Config C, int OneAct = kAnyAct, class Fusion = void>
+using GemmType = GemmTypeOf<D, TA, TB, ConfigTraits<C, kTileK<D>>, OneAct, Fusion>;
 
 // A rank-3 CuTe stride (rows, cols, batch) with one static unit mode: the
 // leading dimension goes to whichever of the first two modes is dynamic.
@@ -178,6 +180,43 @@ Status launch_kernel(typename K::Params& params, cudaStream_t stream) {
   return {};
 }
 
+inline cutlass::KernelHardwareInfo hardware(const Launch& l) {
+  cutlass::KernelHardwareInfo hw;
+  hw.device_id = l.dev.device;
+  hw.sm_count = l.dev.sm_count;
+  return hw;
+}
+
+// Launches kernel K with its arguments.
+template <class K>
+Status enqueue(typename K::Arguments const& args, const Launch& l) {
+  // Host work first (argument checks, TMA descriptors, the shared-memory
+  // limit), then the device work back to back: whatever `before` enqueues,
+  // the workspace initialisation (stream-K's memset), the kernel. CUTLASS's
+  // Gemm::initialize() memsets first and builds the descriptors after, which
+  // left the GPU idle for the whole host setup between the two (device spans
+  // of small stream-K calls: 80-90 us against a 12 us kernel).
+  if (!K::can_implement(args)) return {"can_implement", "CUTLASS cannot run this problem"};
+  const size_t ws_bytes = K::get_workspace_size(args);
+  void* ws = nullptr;
+  if (ws_bytes > 0) {
+    ws = l.alloc ? l.alloc(l.alloc_ctx, ws_bytes) : nullptr;
+    if (!ws) return {"workspace", "allocation failed"};
+  }
+  typename K::Params params = K::to_underlying_arguments(args, ws);
+  if (Status st = allow_shared_memory<K>(l.dev.device); !st.ok()) return st;
+  if (l.before)
+    if (Status st = l.before(l.before_ctx, l.stream); !st.ok()) return st;
+  if (cutlass::Status cs = K::initialize_workspace(args, ws, l.stream); cs != cutlass::Status::kSuccess) {
+    cudaGetLastError();  // a failed memset sets it; the status says so
+    return {"initialize_workspace", cutlassGetStatusString(cs)};
+  }
+  // CUTLASS's stream-K zeroes its barriers (one memset) when it has any
+  // workspace; the data-parallel decomposition has none.
+  if (l.enqueued) *l.enqueued += 1 + (ws_bytes > 0);
+  return launch_kernel<K>(params, l.stream);
+}
+
 // One launch of the kernel G (a GemmTypeOf) for p.
 template <class G>
 Status run_gemm_of(const GemmProblem& p, const GemmOperands& o, const Launch& l) {
@@ -224,42 +263,13 @@ Status run_gemm_of(const GemmProblem& p, const GemmOperands& o, const Launch& l)
   fa.dz = make_stride3<decltype(fa.dz)>(p.n, d_batch);
   fa.act = ActArgs{int(p.act), float(p.slope)};
 
-  cutlass::KernelHardwareInfo hw;
-  hw.device_id = l.dev.device;
-  hw.sm_count = l.dev.sm_count;
-
   typename K::Arguments args{
       cutlass::gemm::GemmUniversalMode::kGemm,
       {int(km), int(kn), int(p.k), int(p.batch)},
       {static_cast<const T*>(ka), sa, static_cast<const T*>(kb), sb},
       {fa, static_cast<const T*>(c_ptr), sc, static_cast<T*>(o.y), sd},
-      hw};
-
-  // Host work first (argument checks, TMA descriptors, the shared-memory
-  // limit), then the device work back to back: whatever `before` enqueues,
-  // the workspace initialisation (stream-K's memset), the kernel. CUTLASS's
-  // Gemm::initialize() memsets first and builds the descriptors after, which
-  // left the GPU idle for the whole host setup between the two (device spans
-  // of small stream-K calls: 80-90 us against a 12 us kernel).
-  if (!K::can_implement(args)) return {"can_implement", "CUTLASS cannot run this problem"};
-  const size_t ws_bytes = K::get_workspace_size(args);
-  void* ws = nullptr;
-  if (ws_bytes > 0) {
-    ws = l.alloc ? l.alloc(l.alloc_ctx, ws_bytes) : nullptr;
-    if (!ws) return {"workspace", "allocation failed"};
-  }
-  typename K::Params params = K::to_underlying_arguments(args, ws);
-  if (Status st = allow_shared_memory<K>(l.dev.device); !st.ok()) return st;
-  if (l.before)
-    if (Status st = l.before(l.before_ctx, l.stream); !st.ok()) return st;
-  if (cutlass::Status cs = K::initialize_workspace(args, ws, l.stream); cs != cutlass::Status::kSuccess) {
-    cudaGetLastError();  // a failed memset sets it; the status says so
-    return {"initialize_workspace", cutlassGetStatusString(cs)};
-  }
-  // CUTLASS's stream-K zeroes its barriers (one memset) when it has any
-  // workspace; the data-parallel decomposition has none.
-  if (l.enqueued) *l.enqueued += 1 + (ws_bytes > 0);
-  return launch_kernel<K>(params, l.stream);
+      hardware(l)};
+  return enqueue<K>(args, l);
 }
 
 template <DType D, bool TA, bool TB, Config C, int A>

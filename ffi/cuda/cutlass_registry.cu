@@ -1,8 +1,11 @@
 // The CUTLASS sm90 GEMM as an entry of the CUDA kernel registry. The choice
 // of configuration and the launch are in cutlass_dispatch.cu; the kernels in
 // their own translation units (cutlass.cmake).
+#include <cstdlib>
 #include <string>
+#include <string_view>
 
+#include "../regemm/env.h"
 #include "../regemm/handlers.h"
 #include "cutlass_dispatch.h"
 #include "runtime.h"
@@ -72,6 +75,26 @@ ffi::Error run_variant(const GemmProblem& p, const GemmOperands& o, CudaRuntime&
 
 const Register<GemmProblem, GemmOperands, CudaRuntime> kRegister(
     {kName, kPriority, supports, run_entry, variants, run_variant});
+
+// regemm_dgrad_dact in one kernel: the GEMM with the act' in its epilogue
+// (cutlass_dispatch.h). Not where REGEMM_BACKEND forces another kernel (the
+// sanitizers' runs keep TMA kernels out), nor with REGEMM_FUSED_DGRAD=0 (the
+// composed way, for comparison).
+bool supports_dgrad_dact(const DgradDactProblem& q) {
+  const char* forced = std::getenv("REGEMM_BACKEND");
+  if (forced && *forced && std::string_view(forced) != kName) return false;
+  return !env_off("REGEMM_FUSED_DGRAD") && can_run_dgrad_dact(q.gemm, q.dact);
+}
+
+ffi::Error run_dgrad_dact_entry(const DgradDactProblem& q, const DgradDactOperands& o, CudaRuntime& rt) {
+  const DeviceInfo* dev = sm90_device();
+  const DgradOperands ok{o.a, o.b, o.s, o.gz, nullptr, 0};
+  if (!dev || !can_launch_dgrad_dact(ok)) return dgrad_then_dact(q, o, rt);  // a buffer not 16-byte aligned
+  return to_ffi(run_dgrad_dact(q.gemm, q.dact, ok, o.gbias, launch_for(rt, *dev)));
+}
+
+const Register<DgradDactProblem, DgradDactOperands, CudaRuntime> kRegisterDgradDact(
+    {kName, kPriority, supports_dgrad_dact, run_dgrad_dact_entry});
 
 }  // namespace
 }  // namespace regemm::cutlass_sm90

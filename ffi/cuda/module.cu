@@ -13,6 +13,7 @@
 
 #include "../regemm/handlers.h"
 #include "../regemm/module_util.h"
+#include "cutlass_dgrad.h"
 #include "cutlass_kernels.h"
 #include "runtime.h"
 #include "tuner.h"
@@ -58,6 +59,13 @@ NB_MODULE(_regemm_cuda, m) {
   m.def("gemm_workspace_bytes",
         [dtype](const std::string& t, int64_t k, int64_t n, int64_t batch_b, bool trans_a, bool trans_b,
                 bool exact_f32) { return regemm::gemm_workspace_bytes(dtype(t), k, n, batch_b, trans_a, trans_b, exact_f32); });
+  m.def("dgrad_dact_workspace_bytes",
+        [dtype](const std::string& t, int64_t m, int64_t n, int64_t k, int64_t batch, int64_t batch_b,
+                const std::string& kind, bool trans_a, bool trans_b, bool exact_f32) {
+          regemm::BiasKind b;
+          if (!regemm::parse_bias_kind(kind, &b)) throw nb::value_error(("regemm: unknown bias kind " + kind).c_str());
+          return regemm::dgrad_dact_workspace_bytes(dtype(t), m, n, k, batch, batch_b, b, trans_a, trans_b, exact_f32);
+        });
   m.def("dact_workspace_bytes", [dtype](const std::string& t, int64_t m, int64_t n, int64_t batch, const std::string& kind) {
     regemm::BiasKind k;
     if (!regemm::parse_bias_kind(kind, &k)) throw nb::value_error(("regemm: unknown bias kind " + kind).c_str());
@@ -68,6 +76,7 @@ NB_MODULE(_regemm_cuda, m) {
   // Launches of the CUTLASS kernels compiled for one activation (a test hook;
   // cutlass_kernels.h, which needs no CUTLASS headers: 0 in a build without them).
   m.def("cutlass_one_act_launches", [] { return regemm::cutlass_sm90::g_one_act_launches.load(); });
+  m.def("cutlass_dgrad_dact_launches", [] { return regemm::cutlass_sm90::g_dgrad_dact_launches.load(); });
   // (handler calls, seconds of host time in them) so far (runtime.h).
   m.def("host_time", [] { return nb::make_tuple(regemm::g_host_calls.load(), regemm::g_host_ns.load() * 1e-9); });
   // The host timeline (host_marks.h): [(phase, monotonic ns)] recorded since the

@@ -36,4 +36,21 @@ inline size_t gemm_workspace_bytes(DType t, int64_t k, int64_t n, int64_t batch_
   return bytes;
 }
 
+// regemm_dgrad_dact's CUTLASS kernel: f32 partial sums of the bias gradient,
+// one row per 128-row tile, N rounded up to the widest tile (256).
+inline constexpr int64_t kDgradPartialRows = 128;
+inline size_t dgrad_partials_bytes(int64_t m, int64_t n, int64_t batch) {
+  return size_t((m + kDgradPartialRows - 1) / kDgradPartialRows * ((n + 255) / 256 * 256) * batch) * sizeof(float);
+}
+
+// regemm_dgrad_dact: the GEMM's workspace after the partial sums (the fused
+// kernel), or the GEMM's and then the dact pass's (one after the other).
+inline size_t dgrad_dact_workspace_bytes(DType t, int64_t m, int64_t n, int64_t k, int64_t batch, int64_t batch_b,
+                                         BiasKind kind, bool trans_a, bool trans_b, bool exact_f32) {
+  const size_t gemm = gemm_workspace_bytes(t, k, n, batch_b, trans_a, trans_b, exact_f32);
+  const size_t fused = gemm + (kind == BiasKind::kNone ? 0 : dgrad_partials_bytes(m, n, batch) + kWorkspaceAlign);
+  const size_t dact = dact_workspace_bytes(t, m, n, batch, kind);
+  return fused > dact ? fused : dact;
+}
+
 }  // namespace regemm

@@ -27,6 +27,7 @@ namespace ffi = xla::ffi;
 
 template <class Runtime> using GemmRegistry = Registry<GemmProblem, GemmOperands, Runtime>;
 template <class Runtime> using DactRegistry = Registry<DactProblem, DactOperands, Runtime>;
+template <class Runtime> using DgradDactRegistry = Registry<DgradDactProblem, DgradDactOperands, Runtime>;
 
 inline bool to_dtype(ffi::DataType t, DType* out) {
   switch (t) {
@@ -240,9 +241,23 @@ constexpr auto dact_binding() {
 // ----------------------------------------------------------------------------
 // A layer's dgrad GEMM with the backward epilogue of the layer below it, the
 // step of jax_regemm.mlp's backward: one call where a layer-by-layer backward
-// makes two (a GEMM writing gY, then the dact pass). The GEMM writes gZ's
-// buffer and the dact kernel rewrites it in place (both kernels' loops allow
-// gY == gZ), so nothing else is allocated.
+// makes two (a GEMM writing gY, then the dact pass). A kernel of the
+// DgradDactRegistry runs it whole where one supports it (the CUDA module's
+// CUTLASS GEMM with the act' in its epilogue); otherwise `dgrad_then_dact`:
+// the GEMM writes gZ's buffer and the dact kernel rewrites it in place (both
+// kernels' loops allow gY == gZ), so nothing else is allocated.
+
+// The composed way, for one outer batch entry.
+template <class Runtime>
+ffi::Error dgrad_then_dact(const DgradDactProblem& q, const DgradDactOperands& o, Runtime& rt) {
+  const auto* gemm = GemmRegistry<Runtime>::get().select(q.gemm);
+  if (!gemm) return bad("no kernel supports this problem (dtype, act or layout)");
+  const auto* dact = DactRegistry<Runtime>::get().select(q.dact);
+  if (!dact) return bad("no backward-epilogue kernel supports this problem");
+  if (q.gemm.m * q.gemm.n > 0)
+    if (auto e = rt.run(*gemm, q.gemm, GemmOperands{o.a, o.b, nullptr, nullptr, o.gz, nullptr}); e.failure()) return e;
+  return rt.run(*dact, q.dact, DactOperands{o.gz, o.s, o.gz, o.gbias});
+}
 
 template <class Runtime, class... Ctx>
 ffi::Error dgrad_dact_handler(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer s, ffi::Result<ffi::AnyBuffer> gz,
@@ -277,21 +292,15 @@ ffi::Error dgrad_dact_handler(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer
   p.stride_a = plan->stride[0]; p.stride_b = plan->stride[1];
   d.stride_gy = p.m * p.n; d.stride_s = plan->stride[2];
 
-  const auto* gemm = GemmRegistry<Runtime>::get().select(p);
-  if (!gemm) return bad("no kernel supports this problem (dtype, act or layout)");
-  const auto* dact = DactRegistry<Runtime>::get().select(d);
-  if (!dact) return bad("no backward-epilogue kernel supports this problem");
+  const DgradDactProblem q{p, d};
+  const auto* fused = DgradDactRegistry<Runtime>::get().select(q);
   Runtime rt(*workspace, ctx...);
   if (auto e = rt.start(); e.failure()) return e;
   return plan->for_each_outer([&](const int64_t* off) {
-    void* out = at(gz->untyped_data(), off[3], p.dtype);
-    GemmOperands g{at(a.untyped_data(), off[0], p.dtype), at(b.untyped_data(), off[1], p.dtype), nullptr, nullptr,
-                   out, nullptr};
-    if (p.m * p.n > 0)
-      if (auto e = rt.run(*gemm, p, g); e.failure()) return e;
-    DactOperands o{out, at(s.untyped_data(), off[2], p.dtype), out,
-                   d.bias_kind == BiasKind::kNone ? nullptr : at(gbias->untyped_data(), off[4], p.dtype)};
-    return rt.run(*dact, d, o);
+    DgradDactOperands o{at(a.untyped_data(), off[0], p.dtype), at(b.untyped_data(), off[1], p.dtype),
+                        at(s.untyped_data(), off[2], p.dtype), at(gz->untyped_data(), off[3], p.dtype),
+                        d.bias_kind == BiasKind::kNone ? nullptr : at(gbias->untyped_data(), off[4], p.dtype)};
+    return fused ? rt.run(*fused, q, o) : dgrad_then_dact(q, o, rt);
   });
 }
 

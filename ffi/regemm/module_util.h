@@ -27,6 +27,7 @@ template <class Runtime> nanobind::dict kernels_by_op() {
   nanobind::dict d;
   d["gemm"] = kernel_names<GemmRegistry<Runtime>>();
   d["dact"] = kernel_names<DactRegistry<Runtime>>();
+  d["dgrad_dact"] = kernel_names<DgradDactRegistry<Runtime>>();
   return d;
 }
 

@@ -104,4 +104,20 @@ struct DactOperands {
   void* gbias;  // null when bias_kind is none
 };
 
+// A layer's dgrad GEMM with the backward epilogue of the layer below it
+// (jax_regemm.mlp's backward): `gemm` is the plain GEMM (no act, bias or C)
+// whose output is gY of `dact` (gZ dense, S with dact.stride_s).
+struct DgradDactProblem {
+  GemmProblem gemm;
+  DactProblem dact;
+};
+
+struct DgradDactOperands {
+  const void* a;
+  const void* b;
+  const void* s;
+  void* gz;
+  void* gbias;  // null when dact.bias_kind is none
+};
+
 }  // namespace regemm
