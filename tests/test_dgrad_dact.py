@@ -100,7 +100,7 @@ def _fused_case(rand, dtype, ta_shape_b, act, from_y, kind, batch=(), m=300, n=2
 @gpu
 @pytest.mark.parametrize("config", ["ping128x128c1", "coop128x256"])
 @pytest.mark.parametrize("dtype,tb", [(jnp.bfloat16, True), (jnp.bfloat16, False), (jnp.float16, True), (jnp.float32, True)])
-@pytest.mark.parametrize("act,from_y", [("gelu", False), ("silu", False), ("relu", True), ("tanh", True), ("gelu_erf", False)])
+@pytest.mark.parametrize("act,from_y", [("gelu", False), ("relu", True), ("gelu_erf", False)])
 def test_fused_kernel_against_numpy(rand, monkeypatch, config, dtype, tb, act, from_y):
     """Partial tiles in M (300) and N (200), both configurations: one launch of the fused kernel
     per call, gZ and the bias gradient against float64 NumPy, and gZ as the composed way's
