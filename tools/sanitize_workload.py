@@ -42,6 +42,7 @@ _FLAGS = {
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_autotune_level=0 " + _FLAGS).strip()
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 os.environ.setdefault("REGEMM_TUNE_REPS", "1")
+os.environ.setdefault("REGEMM_FUSED_DGRAD", "1")  # rg.mlp's fused dgrad_dact kernel (opt-in) under memcheck
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

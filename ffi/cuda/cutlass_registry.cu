@@ -77,13 +77,15 @@ const Register<GemmProblem, GemmOperands, CudaRuntime> kRegister(
     {kName, kPriority, supports, run_entry, variants, run_variant});
 
 // regemm_dgrad_dact in one kernel: the GEMM with the act' in its epilogue
-// (cutlass_dispatch.h). Not where REGEMM_BACKEND forces another kernel (the
-// sanitizers' runs keep TMA kernels out), nor with REGEMM_FUSED_DGRAD=0 (the
-// composed way, for comparison).
+// (cutlass_dispatch.h). Opt-in (REGEMM_FUSED_DGRAD=1) until it is faster: on
+// the H100 it lost to cuBLAS's dgrad GEMM followed by the in-place dact pass
+// (the Dense(4d, gelu) -> Dense(d) block at 8192x1024 bf16: 0.827 against 0.660
+// ms; docs/performance.md). Never where REGEMM_BACKEND forces another kernel
+// (the sanitizers' runs keep TMA kernels out).
 bool supports_dgrad_dact(const DgradDactProblem& q) {
   const char* forced = std::getenv("REGEMM_BACKEND");
   if (forced && *forced && std::string_view(forced) != kName) return false;
-  return !env_off("REGEMM_FUSED_DGRAD") && can_run_dgrad_dact(q.gemm, q.dact);
+  return env_on("REGEMM_FUSED_DGRAD") && can_run_dgrad_dact(q.gemm, q.dact);
 }
 
 ffi::Error run_dgrad_dact_entry(const DgradDactProblem& q, const DgradDactOperands& o, CudaRuntime& rt) {
