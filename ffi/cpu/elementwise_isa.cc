@@ -15,13 +15,27 @@
 namespace regemm::REGEMM_ISA {
 namespace {
 
-template <class T> void act_t(Act act, double slope, const void* z_, void* y_, int64_t begin, int64_t end) {
+// In place (z == y: Y = act(Y) where Z is not kept) through one pointer, else
+// through two restrict ones: either way the loop vectorizes without a run-time
+// overlap check, whose fallback (taken in place) is the scalar loop.
+template <class T, Act kAct>
+void act_in_place(T* __restrict y, typename Acc<T>::type s, int64_t begin, int64_t end) {
   using A = acc_t<T>;
-  const T* z = static_cast<const T*>(z_);
-  T* y = static_cast<T*>(y_);
-  const A s = A(slope);
+  for (int64_t i = begin; i < end; ++i) y[i] = store<T>(act_fwd(kAct, load<A>(y[i]), s));
+}
+
+template <class T, Act kAct>
+void act_copy(const T* __restrict z, T* __restrict y, typename Acc<T>::type s, int64_t begin, int64_t end) {
+  using A = acc_t<T>;
+  for (int64_t i = begin; i < end; ++i) y[i] = store<T>(act_fwd(kAct, load<A>(z[i]), s));
+}
+
+template <class T> void act_t(Act act, double slope, const void* z, void* y, int64_t begin, int64_t end) {
+  const acc_t<T> s = acc_t<T>(slope);
   with_act(act, [&](auto a) {
-    for (int64_t i = begin; i < end; ++i) y[i] = store<T>(act_fwd(decltype(a)::value, load<A>(z[i]), s));
+    constexpr Act k = decltype(a)::value;
+    if (z == y) act_in_place<T, k>(static_cast<T*>(y), s, begin, end);
+    else act_copy<T, k>(static_cast<const T*>(z), static_cast<T*>(y), s, begin, end);
   });
 }
 
