@@ -226,6 +226,16 @@ for name in ("data", "tensor"):
             grad = jax.grad(f, argnums=(0, 1, 2, 3, 4))
             res[tag] = (grad(*args), jax.jit(grad)(*args))
         out[f"shard_map/{name}"] = max(rel(u, v) for k in (0, 1) for u, v in zip(res["ours"][k], res["plain"][k]))
+# rg.mlp inside shard_map, data-parallel: its folded backward on the local blocks
+res = {}
+with jax.set_mesh(mesh):
+    for tag, m in (("ours", rg.mlp), ("plain", rg.reference.mlp)):
+        local = lambda x, w1, b1, w2, b2, m=m: jax.lax.psum(jnp.sum(m(x, [w1, w2], [b1, b2], act="gelu") ** 2), "data")
+        f = jax.shard_map(local, mesh=mesh, in_specs=LAYOUTS["data"], out_specs=P())
+        args = [jax.device_put(v, NamedSharding(mesh, s)) for v, s in zip((x, w1, b1, w2, b2), LAYOUTS["data"])]
+        grad = jax.grad(f, argnums=(0, 1, 2, 3, 4))
+        res[tag] = (grad(*args), jax.jit(grad)(*args))
+out["shard_map/block"] = max(rel(u, v) for k in (0, 1) for u, v in zip(res["ours"][k], res["plain"][k]))
 print("RESULT" + json.dumps(out))
 """
 
@@ -259,7 +269,8 @@ def test_sharded_mlp_as_plain_jnp(sharded, op, mesh, layout):
         assert ours[key] == plain[key], (key, ours[key], plain[key])
 
 
-@pytest.mark.parametrize("layout", ["data", "tensor"])
+@pytest.mark.parametrize("layout", ["data", "tensor", "block"])
 def test_grad_through_shard_map(sharded, layout):
-    """grad and jit(grad) through shard_map with its default checks, as plain jnp."""
+    """grad and jit(grad) through shard_map with its default checks, as plain jnp ("block":
+    rg.mlp, data-parallel)."""
     assert sharded[f"shard_map/{layout}"] < 1e-5
