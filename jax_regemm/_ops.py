@@ -364,20 +364,26 @@ def _dact_lower(gy, s, *, spec):
     return [gz] if gbias is None else [gz, gbias]
 
 
-def _dact_jvp(primals, tangents, *, spec):
-    tangents = [ad.instantiate_zeros(t) for t in tangents]
-    _, t_out = jax.jvp(partial(_dact_ref, spec=spec), tuple(primals), tuple(tangents))
-    return _dact_p.bind(*primals, spec=spec), t_out
+def _epilogue_primitive(name, ref, lower):
+    """A backward-epilogue primitive: derivatives from its reference (needed past first order
+    only), vmap as one more leading batch dim (the kernels broadcast by stride)."""
+    p = _primitive(name, ref, lower)
+
+    def jvp(primals, tangents, *, spec):
+        tangents = [ad.instantiate_zeros(t) for t in tangents]
+        _, t_out = jax.jvp(partial(ref, spec=spec), tuple(primals), tuple(tangents))
+        return p.bind(*primals, spec=spec), t_out
+
+    def batch(args, dims, *, spec):
+        outs = p.bind(*[_lead(x, d) for x, d in zip(args, dims)], spec=spec)
+        return outs, [0] * len(outs)
+
+    ad.primitive_jvps[p] = jvp
+    batching.primitive_batchers[p] = batch
+    return p
 
 
-def _dact_batch(args, dims, *, spec):
-    outs = _dact_p.bind(*[_lead(x, d) for x, d in zip(args, dims)], spec=spec)
-    return outs, [0] * len(outs)
-
-
-_dact_p = _primitive("regemm_dact", _dact_ref, _dact_lower)
-ad.primitive_jvps[_dact_p] = _dact_jvp
-batching.primitive_batchers[_dact_p] = _dact_batch
+_dact_p = _epilogue_primitive("regemm_dact", _dact_ref, _dact_lower)
 
 
 def dact(spec: _DactSpec, gy, s):
@@ -416,20 +422,7 @@ def _dgrad_dact_lower(a, b, s, *, spec):
     return [gz] if gbias is None else [gz, gbias]
 
 
-def _dgrad_dact_jvp(primals, tangents, *, spec):
-    tangents = [ad.instantiate_zeros(t) for t in tangents]
-    _, t_out = jax.jvp(partial(_dgrad_dact_ref, spec=spec), tuple(primals), tuple(tangents))
-    return _dgrad_dact_p.bind(*primals, spec=spec), t_out
-
-
-def _dgrad_dact_batch(args, dims, *, spec):
-    outs = _dgrad_dact_p.bind(*[_lead(x, d) for x, d in zip(args, dims)], spec=spec)
-    return outs, [0] * len(outs)
-
-
-_dgrad_dact_p = _primitive("regemm_dgrad_dact", _dgrad_dact_ref, _dgrad_dact_lower)
-ad.primitive_jvps[_dgrad_dact_p] = _dgrad_dact_jvp
-batching.primitive_batchers[_dgrad_dact_p] = _dgrad_dact_batch
+_dgrad_dact_p = _epilogue_primitive("regemm_dgrad_dact", _dgrad_dact_ref, _dgrad_dact_lower)
 
 
 def dgrad_dact(spec: _DgradDactSpec, a, b, s):

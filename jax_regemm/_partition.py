@@ -267,18 +267,23 @@ def _dact_plan(attrs, mesh, arg_infos):
     return arg_specs, gz_spec, gb_spec, reduce_axes
 
 
+def _summed_bias_grad(out, gb_spec, reduce_axes):
+    """A local call's (gZ, gBias) with gBias summed over the mesh axes of the dims it reduces
+    (the whole sum spans the devices along those dims); gZ alone where there is no bias."""
+    if gb_spec is None:
+        return out
+    gz, gbias = out
+    if reduce_axes:
+        acc = reference._acc_dtype(gbias.dtype)
+        gbias = jax.lax.psum(gbias.astype(acc), reduce_axes).astype(gbias.dtype)
+    return gz, gbias
+
+
 def _dact_partition(attrs, mesh, arg_infos, result_infos):
     arg_specs, gz_spec, gb_spec, reduce_axes = _dact_plan(attrs, mesh, arg_infos)
 
     def lower(gy, s):
-        out = _dact_local(attrs, gy, s)
-        if gb_spec is None:
-            return out
-        gz, gbias = out
-        if reduce_axes:  # local sums of the bias gradient: the whole sum spans the devices along those dims
-            acc = reference._acc_dtype(gbias.dtype)
-            gbias = jax.lax.psum(gbias.astype(acc), reduce_axes).astype(gbias.dtype)
-        return gz, gbias
+        return _summed_bias_grad(_dact_local(attrs, gy, s), gb_spec, reduce_axes)
 
     outs = NamedSharding(mesh, gz_spec) if gb_spec is None else (NamedSharding(mesh, gz_spec), NamedSharding(mesh, gb_spec))
     return mesh, _no_context_mesh(lower), outs, tuple(NamedSharding(mesh, s) for s in arg_specs)
@@ -353,13 +358,7 @@ def _dgrad_dact_partition(attrs, mesh, arg_infos, result_infos):
             out = _dact_local(_Attrs({x: attrs[x] for x in ("act", "slope", "from_y", "bias_kind")}), gy, s)
         else:
             out = _dgrad_dact_local(attrs, a, b, s)
-        if gb_spec is None:
-            return out
-        gz, gbias = out
-        if reduce_axes:  # local sums of the bias gradient: the whole sum spans the devices along those dims
-            acc = reference._acc_dtype(gbias.dtype)
-            gbias = jax.lax.psum(gbias.astype(acc), reduce_axes).astype(gbias.dtype)
-        return gz, gbias
+        return _summed_bias_grad(out, gb_spec, reduce_axes)
 
     gz_s = NamedSharding(mesh, gz_spec)
     outs = gz_s if gb_spec is None else (gz_s, NamedSharding(mesh, gb_spec))
