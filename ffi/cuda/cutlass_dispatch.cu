@@ -276,12 +276,12 @@ Status run_config(const GemmProblem& p, const GemmOperands& o, const Launch& l, 
 // l.alloc hands out the workspace from its start on every request (each
 // launch may reuse it: runtime.h). With B^T (or dgrad_dact's partial sums)
 // at the start, the kernels' own requests are served from behind it.
-struct AfterBt {
+struct AfterStart {
   Launch base;
-  size_t skip;  // B^T's bytes, rounded up to the alignment
+  size_t skip;  // bytes held at the start (B^T's, or the partial sums'), rounded up to the alignment
 };
-void* alloc_after_bt(void* ctx, size_t bytes) {
-  const auto* a = static_cast<const AfterBt*>(ctx);
+void* alloc_after_start(void* ctx, size_t bytes) {
+  const auto* a = static_cast<const AfterStart*>(ctx);
   char* p = static_cast<char*>(a->base.alloc(a->base.alloc_ctx, a->skip + bytes));
   return p ? p + a->skip : nullptr;
 }
@@ -300,9 +300,9 @@ Status run_with(const GemmProblem& p, const GemmOperands& o, const Launch& l, co
       q.stride_b = nb > 1 ? p.k * p.n : 0;
       GemmOperands ob = o;
       ob.b = t.bt;
-      AfterBt after{l, (bt_bytes + 255) & ~size_t(255)};
+      AfterStart after{l, (bt_bytes + 255) & ~size_t(255)};
       Launch lq = l;
-      lq.alloc = alloc_after_bt;
+      lq.alloc = alloc_after_start;
       lq.alloc_ctx = &after;
       lq.before = TransposeB::launch;
       lq.before_ctx = &t;
@@ -421,14 +421,14 @@ Status run_dgrad_dact(const GemmProblem& p, const DactProblem& d, const DgradOpe
   const int64_t tiles = ceil_div(p.m, kDgradTileM), ld = ceil_div(p.n, dgrad_tile_n(c)) * dgrad_tile_n(c);
   static_assert(kDgradTileM == kDgradPartialRows, "workspace.h sizes the partials for this tile");
   Launch lk = l;  // the kernel's own workspace requests come after the partials
-  AfterBt after{l, 0};
+  AfterStart after{l, 0};
   if (gbias) {
     const size_t bytes = dgrad_partials_bytes(p.m, p.n, p.batch);
     oc.partials = static_cast<float*>(l.alloc ? l.alloc(l.alloc_ctx, bytes) : nullptr);
     if (!oc.partials) return {"workspace", "no room for the bias gradient's partial sums"};
     oc.partials_batch = tiles * ld;
     after.skip = (bytes + kWorkspaceAlign - 1) & ~(kWorkspaceAlign - 1);
-    lk.alloc = alloc_after_bt;
+    lk.alloc = alloc_after_start;
     lk.alloc_ctx = &after;
   } else {
     oc.partials = nullptr;

@@ -180,26 +180,40 @@ constexpr auto gemm_binding() {
 // regemm_dact: gZ = gY * act'(Z or Y), gBias = sum of gZ over the bias's broadcast axes
 // ----------------------------------------------------------------------------
 
+// The backward epilogue's attributes into d; then its operands checked against
+// d (dtype, M and N set): S (Z or Y) and gZ [batch..., M, N], gBias [batch..., L].
+inline ffi::Error dact_attrs(std::string_view act, double slope, bool from_y, std::string_view bias_kind,
+                             DactProblem* d) {
+  if (!parse_act(act, &d->act)) return bad("unknown activation '" + std::string(act) + "'");
+  if (!parse_bias_kind(bias_kind, &d->bias_kind)) return bad("unknown bias kind '" + std::string(bias_kind) + "'");
+  if (from_y && !grad_from_y_ok(d->act, slope)) return bad("act' cannot be derived from Y for '" + std::string(act) + "'");
+  d->slope = slope;
+  d->from_y = from_y;
+  return ffi::Error::Success();
+}
+
+inline ffi::Error check_dact_operands(const DactProblem& d, int64_t nb, const ffi::AnyBuffer& s,
+                                      const ffi::AnyBuffer& gz, const ffi::AnyBuffer& gbias) {
+  if (auto e = check_operand("Z/Y", s, nb, d.dtype, {d.m, d.n}); e.failure()) return e;
+  if (auto e = check_operand("gZ", gz, nb, d.dtype, {d.m, d.n}); e.failure()) return e;
+  if (d.bias_kind == BiasKind::kNone) return ffi::Error::Success();
+  return check_operand("gBias", gbias, nb, d.dtype, {bias_length(d.bias_kind, d.m, d.n)});
+}
+
 template <class Runtime, class... Ctx>
 ffi::Error dact_handler(ffi::AnyBuffer gy, ffi::AnyBuffer s, ffi::Result<ffi::AnyBuffer> gz,
                         ffi::Result<ffi::AnyBuffer> gbias, ffi::Result<ffi::AnyBuffer> workspace,
                         std::string_view act, double slope,
                         bool from_y, std::string_view bias_kind, Ctx... ctx) {
   DactProblem p;
-  if (!parse_act(act, &p.act)) return bad("unknown activation '" + std::string(act) + "'");
-  if (!parse_bias_kind(bias_kind, &p.bias_kind)) return bad("unknown bias kind '" + std::string(bias_kind) + "'");
+  if (auto e = dact_attrs(act, slope, from_y, bias_kind, &p); e.failure()) return e;
   if (!to_dtype(gy.element_type(), &p.dtype)) return bad("gY: unsupported element type");
-  if (from_y && !grad_from_y_ok(p.act, slope)) return bad("act' cannot be derived from Y for '" + std::string(act) + "'");
-  p.slope = slope; p.from_y = from_y;
   auto gd = gy.dimensions();
   const int64_t nb = int64_t(gd.size()) - 2;
   if (nb < 0) return bad("gY must have rank >= 2, got shape " + shape_str(gd));
   p.m = gd[nb]; p.n = gd[nb + 1];
   const int64_t len = bias_length(p.bias_kind, p.m, p.n);
-  if (auto e = check_operand("Z/Y", s, nb, p.dtype, {p.m, p.n}); e.failure()) return e;
-  if (auto e = check_operand("gZ", *gz, nb, p.dtype, {p.m, p.n}); e.failure()) return e;
-  if (p.bias_kind != BiasKind::kNone)
-    if (auto e = check_operand("gBias", *gbias, nb, p.dtype, {len}); e.failure()) return e;
+  if (auto e = check_dact_operands(p, nb, s, *gz, *gbias); e.failure()) return e;
   ffi::Span<const int64_t> batch_dims(gz->dimensions().begin(), nb);
   auto plan = plan_batch(batch_dims, {{gd, p.m * p.n},
                                       {s.dimensions(), p.m * p.n},
@@ -266,20 +280,14 @@ ffi::Error dgrad_dact_handler(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer
                               double alpha, bool trans_a, bool trans_b, bool exact_f32, Ctx... ctx) {
   GemmProblem p;
   DactProblem d;
-  if (!parse_act(act, &d.act)) return bad("unknown activation '" + std::string(act) + "'");
-  if (!parse_bias_kind(bias_kind, &d.bias_kind)) return bad("unknown bias kind '" + std::string(bias_kind) + "'");
+  if (auto e = dact_attrs(act, slope, from_y, bias_kind, &d); e.failure()) return e;
   if (!to_dtype(a.element_type(), &p.dtype)) return bad("A: unsupported element type");
-  if (from_y && !grad_from_y_ok(d.act, slope)) return bad("act' cannot be derived from Y for '" + std::string(act) + "'");
   p.alpha = alpha; p.trans_a = trans_a; p.trans_b = trans_b; p.exact_f32 = exact_f32;
-  d.dtype = p.dtype; d.slope = slope; d.from_y = from_y;
   int64_t nb;
   if (auto e = gemm_dims(a, b, &p, &nb); e.failure()) return e;
-  d.m = p.m; d.n = p.n;
+  d.dtype = p.dtype; d.m = p.m; d.n = p.n;
   const int64_t len = bias_length(d.bias_kind, d.m, d.n);
-  if (auto e = check_operand("Z/Y", s, nb, p.dtype, {p.m, p.n}); e.failure()) return e;
-  if (auto e = check_operand("gZ", *gz, nb, p.dtype, {p.m, p.n}); e.failure()) return e;
-  if (d.bias_kind != BiasKind::kNone)
-    if (auto e = check_operand("gBias", *gbias, nb, p.dtype, {len}); e.failure()) return e;
+  if (auto e = check_dact_operands(d, nb, s, *gz, *gbias); e.failure()) return e;
   ffi::Span<const int64_t> batch_dims(gz->dimensions().begin(), nb);
   auto plan = plan_batch(batch_dims, {{a.dimensions(), p.m * p.k},
                                       {b.dimensions(), p.k * p.n},
