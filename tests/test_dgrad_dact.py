@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from conftest import ACTS, BIAS_KINDS, Y_ACTS, assert_rel, f64, np_act, np_act_grad
+import jax_regemm as rg
 from jax_regemm import _ffi
 
 
@@ -138,3 +139,68 @@ def test_fused_kernel_batches_and_no_bias(rand, monkeypatch):
     assert gb is None
     assert_rel(gz, gz_ref, jnp.bfloat16, None, "gZ")
     assert CUDA.cutlass_dgrad_dact_launches() == n0 + 3
+
+
+# ---------------------------------------------------------------------------
+# cuBLASLt's DGELU matmul (16-bit gelu from Z): the tuner times it against the
+# composed way (cublas_gemm.cu). Skips without a GPU and the CUDA module.
+# ---------------------------------------------------------------------------
+
+
+def _lt():
+    try:
+        from jax_regemm import _regemm_cuda
+    except ImportError:
+        return None
+    return _regemm_cuda if "cublas" in str(_ffi.kernels().get("cuda", {}).get("dgrad_dact", [])) else None
+
+
+LT = _lt() if jax.default_backend() == "gpu" else None
+lt = pytest.mark.skipif(LT is None, reason="needs a GPU and the CUDA module")
+
+
+def _dgrad_tuned():
+    """{signature: label} of the dgrad_dact problems the tuner has seen."""
+    return {k: v for k, v in rg.tuned().items() if "dact=" in k}
+
+
+@lt
+@pytest.mark.parametrize("way", ["cublas/composed", "cublas/dgelu#0", "cublas/dgelu#1"])
+@pytest.mark.parametrize("dtype,tb,kind", [(jnp.bfloat16, True, "per_col"), (jnp.bfloat16, False, "none"),
+                                           (jnp.float16, True, "per_col")])  # fmt: skip
+def test_cublaslt_dgelu_every_way(rand, monkeypatch, way, dtype, tb, kind):
+    """Each way forced (REGEMM_VARIANT): it is the one that ran, and gZ and the bias gradient
+    match float64 NumPy; partial tiles in M (300) and N (200)."""
+    monkeypatch.setenv("REGEMM_VARIANT", way)
+    LT.forget_tuned()
+    f, args, gz_ref, gb_ref = _fused_case(rand, dtype, tb, "gelu", False, kind)
+    gz, gb = jax.block_until_ready(f(*args))
+    assert set(_dgrad_tuned().values()) == {way}, _dgrad_tuned()
+    assert_rel(gz, gz_ref, dtype, None, f"gZ {way}")
+    if kind == "none":
+        assert gb is None
+    else:
+        assert_rel(gb, gb_ref, dtype, None, f"gBias {way}")
+
+
+@lt
+def test_cublaslt_dgelu_tuned(rand, monkeypatch):
+    """Unforced, the tuner times the ways once per signature and keeps one; the result
+    matches NumPy and the bias gradient is the same bits on every run. Where the way does
+    not apply (f32; gelu from Y is not an act here; silu) nothing is timed."""
+    monkeypatch.delenv("REGEMM_VARIANT", raising=False)
+    LT.forget_tuned()
+    f, args, gz_ref, gb_ref = _fused_case(rand, jnp.bfloat16, True, "gelu", False, "per_col", m=520, n=264, k=200)
+    gz, gb = jax.block_until_ready(f(*args))
+    (label,) = _dgrad_tuned().values()
+    assert label.startswith("cublas/"), label
+    assert_rel(gz, gz_ref, jnp.bfloat16, None, "gZ")
+    assert_rel(gb, gb_ref, jnp.bfloat16, None, "gBias")
+    n0 = LT.tuning_count()
+    gz2, gb2 = f(*args)
+    assert LT.tuning_count() == n0
+    np.testing.assert_array_equal(np.asarray(gb2, np.float32), np.asarray(gb, np.float32))
+    for dtype, act in ((jnp.float32, "gelu"), (jnp.bfloat16, "silu")):
+        f, args, gz_ref, _ = _fused_case(rand, dtype, True, act, False, "per_col")
+        assert_rel(f(*args)[0], gz_ref, dtype, None, f"gZ {act}")
+    assert len(_dgrad_tuned()) == 1

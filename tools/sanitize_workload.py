@@ -42,7 +42,6 @@ _FLAGS = {
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_autotune_level=0 " + _FLAGS).strip()
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 os.environ.setdefault("REGEMM_TUNE_REPS", "1")
-os.environ.setdefault("REGEMM_FUSED_DGRAD", "1")  # rg.mlp's fused dgrad_dact kernel (opt-in) under memcheck
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -102,15 +101,19 @@ def main():
     xs = rand((5, 9, 8), jnp.float32)
     g = jax.jit(jax.grad(lambda w: jnp.sum(jax.vmap(lambda x: rg.dense(x, w, act="silu"))(xs) ** 2)))(w)
     assert np.all(np.isfinite(np.asarray(g)))
-    # rg.mlp's backward: dgrad_dact (the GEMM into gZ, the backward epilogue in place), bf16 rows
-    # of 16 bytes and f32 ragged ones, S = Z and S = Y.
-    for dtype, dims, act in ((jnp.bfloat16, (64, 136, 72, 40), "gelu"), (jnp.float32, (19, 37, 23, 11), "relu")):
-        ws = [rand((k, n), dtype) for k, n in zip(dims, dims[1:])]
-        bs = [rand((n,), dtype) for n in dims[1:]]
-        xb = rand((45, dims[0]), dtype)
-        loss = lambda x, ws, bs: jnp.sum(rg.mlp(x, ws, bs, act=act).astype(jnp.float32) ** 2)
-        for g in jax.tree.leaves(jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(xb, ws, bs)):
-            assert np.all(np.isfinite(np.asarray(g, np.float32))), (dtype, act)
+    # rg.mlp's backward: dgrad_dact, bf16 rows of 16 bytes and f32 ragged ones, S = Z and S = Y;
+    # by default (the GEMM into gZ then the backward epilogue in place, or for bf16 gelu
+    # cuBLASLt's DGELU matmul: in "plain" mode the tuner runs both), then with the CUTLASS
+    # kernel (opt-in: REGEMM_FUSED_DGRAD=1).
+    for fused in ("", "1"):
+        os.environ["REGEMM_FUSED_DGRAD"] = fused
+        for dtype, dims, act in ((jnp.bfloat16, (64, 136, 72, 40), "gelu"), (jnp.float32, (19, 37, 23, 11), "relu")):
+            ws = [rand((k, n), dtype) for k, n in zip(dims, dims[1:])]
+            bs = [rand((n,), dtype) for n in dims[1:]]
+            xb = rand((45, dims[0]), dtype)
+            loss = lambda x, ws, bs: jnp.sum(rg.mlp(x, ws, bs, act=act).astype(jnp.float32) ** 2)
+            for g in jax.tree.leaves(jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(xb, ws, bs)):
+                assert np.all(np.isfinite(np.asarray(g, np.float32))), (dtype, act)
     # K = 0 (Y = act(beta C + bias)) and M = 0 (gBias = 0).
     case(6, 5, 0, jnp.float32, "gelu", "per_col", with_c=True)
     case(0, 5, 3, jnp.float32, "gelu", "per_col")

@@ -42,10 +42,12 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <string_view>
 #include <tuple>
 #include <unordered_map>
 #include <vector>
 
+#include "../regemm/env.h"
 #include "../regemm/handlers.h"
 #include "epilogue_pass.h"
 #include "pack.h"
@@ -67,8 +69,11 @@ ffi::Error cublas_error(cublasStatus_t s, const char* what, const char* file, in
       return cublas_error(regemm_st_, #expr, __FILE__, __LINE__);                \
   } while (0)
 
-// How many of the heuristic's algorithms the tuner may time per plan.
+// How many of the heuristic's algorithms the tuner may time per plan: per way
+// of a GEMM; twice as many for dgrad_dact's DGELU matmul, whose best was the
+// heuristic's 4th to 6th at the block's shapes on the H100.
 constexpr int kLtAlgos = 4;
+constexpr int kDgeluAlgos = 2 * kLtAlgos;
 
 // The GEMM's types: storage, compute, and the scalars' (double for f64, else float).
 struct Types {
@@ -229,7 +234,10 @@ bool lt_epilogue(const GemmProblem& p, const GemmOperands& o, cublasLtEpilogue_t
   }
 }
 
-bool has_aux(cublasLtEpilogue_t e) { return e == CUBLASLT_EPILOGUE_GELU_AUX || e == CUBLASLT_EPILOGUE_GELU_AUX_BIAS; }
+// Epilogues with an aux matrix laid out as Y: Z, written (GELU_AUX) or read (DGELU).
+bool has_aux(cublasLtEpilogue_t e) {
+  return e == CUBLASLT_EPILOGUE_GELU_AUX || e == CUBLASLT_EPILOGUE_GELU_AUX_BIAS || e == CUBLASLT_EPILOGUE_DGELU;
+}
 bool has_bias(cublasLtEpilogue_t e) {
   return e == CUBLASLT_EPILOGUE_BIAS || e == CUBLASLT_EPILOGUE_RELU_BIAS || e == CUBLASLT_EPILOGUE_GELU_BIAS ||
          e == CUBLASLT_EPILOGUE_GELU_AUX_BIAS;
@@ -287,10 +295,11 @@ ffi::Error make_plan(cublasLtHandle_t lt, const LtKey& key, LtPlan* plan) {
                                                            &key.align_c, sizeof key.align_c));
   REGEMM_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
                                                            &key.align_c, sizeof key.align_c));
-  cublasLtMatmulHeuristicResult_t h[kLtAlgos];
+  cublasLtMatmulHeuristicResult_t h[kDgeluAlgos];
+  const int want = epilogue == CUBLASLT_EPILOGUE_DGELU ? kDgeluAlgos : kLtAlgos;
   int found = 0;
   const cublasStatus_t st =
-      cublasLtMatmulAlgoGetHeuristic(lt, plan->op, plan->a, plan->b, plan->d, plan->d, pref, kLtAlgos, h, &found);
+      cublasLtMatmulAlgoGetHeuristic(lt, plan->op, plan->a, plan->b, plan->d, plan->d, pref, want, h, &found);
   if (st == CUBLAS_STATUS_NOT_SUPPORTED) return ffi::Error::Success();
   REGEMM_CUBLAS_CHECK(st);
   for (int i = 0; i < found; ++i)
@@ -368,14 +377,12 @@ ffi::Error pass_after(const GemmProblem& p, const GemmOperands& o, CudaRuntime& 
   return ffi::Error::Success();
 }
 
-// One cuBLASLt matmul of `way` with the heuristic's algorithm `algo` (and
-// the pass, for kLtPass); *ran false where the plan has no such algorithm.
-ffi::Error run_lt(const GemmProblem& p, const GemmOperands& o, Way way, int algo, const Call& c, CudaRuntime& rt,
-                  bool* ran) {
+// One cuBLASLt matmul with `epilogue` (its bias and aux pointers: o.bias and
+// o.z) and the heuristic's algorithm `algo`; *ran false where the plan has no
+// such algorithm.
+ffi::Error lt_matmul(const GemmProblem& p, const GemmOperands& o, cublasLtEpilogue_t epilogue, bool with_c, int algo,
+                     const Call& c, CudaRuntime& rt, bool* ran) {
   *ran = false;
-  cublasLtEpilogue_t epilogue;
-  if (!way_epilogue(p, o, way, &epilogue)) return ffi::Error::Success();
-  const bool with_c = way == kLtFused && use_c(p);
   ffi::Error err = ffi::Error::Success();
   const LtPlan* plan = plan_for(*c.dh, p, o, c.t, epilogue, with_c, c.workspace_bytes, &err);
   if (!plan) return err;
@@ -398,6 +405,18 @@ ffi::Error run_lt(const GemmProblem& p, const GemmOperands& o, Way way, int algo
                                      c.workspace_bytes, rt.stream));
   ++rt.ops;
   *ran = true;
+  return ffi::Error::Success();
+}
+
+// One cuBLASLt matmul of `way` with the heuristic's algorithm `algo` (and
+// the pass, for kLtPass); *ran false where the plan has no such algorithm.
+ffi::Error run_lt(const GemmProblem& p, const GemmOperands& o, Way way, int algo, const Call& c, CudaRuntime& rt,
+                  bool* ran) {
+  *ran = false;
+  cublasLtEpilogue_t epilogue;
+  if (!way_epilogue(p, o, way, &epilogue)) return ffi::Error::Success();
+  if (auto e = lt_matmul(p, o, epilogue, way == kLtFused && use_c(p), algo, c, rt, ran); e.failure() || !*ran)
+    return e;
   return way == kLtPass ? pass_after(p, o, rt) : ffi::Error::Success();
 }
 
@@ -443,7 +462,7 @@ void variants(const GemmProblem& p, const GemmOperands& o, CudaRuntime& rt, std:
     if (!way_epilogue(p, o, way, &epilogue)) continue;
     ffi::Error err = ffi::Error::Success();
     const LtPlan* plan = plan_for(*c.dh, p, o, c.t, epilogue, way == kLtFused && use_c(p), c.workspace_bytes, &err);
-    const int n = plan ? int(plan->algos.size()) : 0;
+    const int n = plan ? std::min(int(plan->algos.size()), kLtAlgos) : 0;
     for (int i = 0; i < n; ++i)
       (*names)[way * kLtAlgos + i] = std::string(way == kLtFused ? "lt" : "lt+pass") + "#" + std::to_string(i);
     any_lt = any_lt || n > 0;
@@ -472,6 +491,72 @@ bool supports(const GemmProblem& p) {
 
 const Register<GemmProblem, GemmOperands, CudaRuntime> kRegister(
     {"cublas", 10, supports, run_cublas, variants, run_variant});
+
+// ---------------------------------------------------------------------------
+// regemm_dgrad_dact with cuBLASLt's DGELU epilogue: gZ = (alpha op(A) op(B))
+// gelu'(Z) in the matmul, Z read as its aux matrix (the GELU input, what
+// GELU_AUX keeps: the same tanh GELU as regemm's gelu), then the bias
+// gradient, where there is one, by the dact pass with act none over gZ (which
+// then reads gZ only). DGELU_BGRAD, which reduces the bias gradient in the
+// matmul, ran 1.8-4.9x the plain GEMM's time on the H100; DGELU 1.1-1.7x, against
+// the dact pass's three M x N passes (benchmarks/results/h100_dgrad_dact_cublaslt.md).
+// For 16-bit types: with TF32, DGELU took 1.5-3.3x the plain GEMM.
+//
+// Ways (the tuner times them): 0 the composed way (the handler's own: the GEMM
+// into gZ's buffer, then the dact pass in place), 1 + i the DGELU matmul with
+// the heuristic's algorithm i. The rule, untimed, is the composed way: the
+// heuristic's first algorithm was 2.6x slower than its best at 8192x4096x1024.
+// ---------------------------------------------------------------------------
+enum DgradWay : int { kComposed = 0, kDgelu = 1 };
+
+bool supports_dgrad_dact(const DgradDactProblem& q) {
+  const GemmProblem& p = q.gemm;
+  const char* forced = std::getenv("REGEMM_BACKEND");
+  if ((forced && *forced && std::string_view(forced) != "cublas") || env_off("REGEMM_FUSED_DGRAD")) return false;
+  return (p.dtype == DType::kBF16 || p.dtype == DType::kF16) && q.dact.act == Act::kGelu && !q.dact.from_y &&
+         (q.dact.bias_kind == BiasKind::kNone || q.dact.bias_kind == BiasKind::kPerCol) && p.batch == 1 &&
+         p.m > 0 && p.k > 0 && p.n % 8 == 0;  // AUX_LD: a multiple of 8
+}
+
+ffi::Error run_dgelu(const DgradDactProblem& q, const DgradDactOperands& o, int algo, CudaRuntime& rt) {
+  if (!aligned16(o.s) || !aligned16(o.gz)) return bad("cuBLASLt DGELU: Z and gZ must be 16-byte aligned");
+  const GemmOperands go{o.a, o.b, nullptr, nullptr, o.gz, const_cast<void*>(o.s)};  // aux: read only (DGELU)
+  {
+    Call c;
+    if (auto e = prepare(q.gemm, rt, &c); e.failure()) return e;
+    std::lock_guard<std::mutex> lock(c.dh->mu);
+    bool ran = false;
+    if (auto e = lt_matmul(q.gemm, go, CUBLASLT_EPILOGUE_DGELU, false, algo, c, rt, &ran); e.failure()) return e;
+    if (!ran) return bad("cuBLAS: no such algorithm for this problem");
+  }
+  if (q.dact.bias_kind == BiasKind::kNone) return ffi::Error::Success();
+  DactProblem bias_only = q.dact;
+  bias_only.act = Act::kNone;
+  const auto* dact = DactRegistry<CudaRuntime>::get().select(bias_only);
+  if (!dact) return bad("no backward-epilogue kernel supports this problem");
+  return rt.run(*dact, bias_only, DactOperands{o.gz, o.gz, o.gz, o.gbias});
+}
+
+void dgrad_dact_variants(const DgradDactProblem& q, const DgradDactOperands& o, CudaRuntime& rt,
+                         std::vector<std::string>* names) {
+  Call c;
+  if (!aligned16(o.s) || !aligned16(o.gz) || prepare(q.gemm, rt, &c).failure()) return;
+  std::lock_guard<std::mutex> lock(c.dh->mu);
+  const GemmOperands go{o.a, o.b, nullptr, nullptr, o.gz, const_cast<void*>(o.s)};
+  ffi::Error err = ffi::Error::Success();
+  const LtPlan* plan = plan_for(*c.dh, q.gemm, go, c.t, CUBLASLT_EPILOGUE_DGELU, false, c.workspace_bytes, &err);
+  if (!plan || plan->algos.empty()) return;
+  names->assign(kDgelu + plan->algos.size(), "");
+  (*names)[kComposed] = "composed";
+  for (size_t i = 0; i < plan->algos.size(); ++i) (*names)[kDgelu + i] = "dgelu#" + std::to_string(i);
+}
+
+ffi::Error run_dgrad_dact_variant(const DgradDactProblem& q, const DgradDactOperands& o, CudaRuntime& rt, int v) {
+  return v == kComposed ? dgrad_then_dact(q, o, rt) : run_dgelu(q, o, v - kDgelu, rt);
+}
+
+const Register<DgradDactProblem, DgradDactOperands, CudaRuntime> kRegisterDgradDact(
+    {"cublas", 10, supports_dgrad_dact, dgrad_then_dact<CudaRuntime>, dgrad_dact_variants, run_dgrad_dact_variant});
 
 }  // namespace
 }  // namespace regemm

@@ -84,13 +84,16 @@ struct CudaRuntime {
   // backend adds its own. The tuner charges the host's cost per operation.
   int ops = 0;
 
-  // Runs the kernel the registry's rule chose. GEMMs go through the tuner
-  // (tuner.cu), which may run another entry's way instead, timed faster.
+  // Runs the kernel the registry's rule chose. GEMMs and dgrad_dact go
+  // through the tuner (tuner.cu), which may run another entry's way instead,
+  // timed faster.
   template <class K, class P, class O> ffi::Error run(const K& kernel, const P& p, const O& o) {
     return kernel.run(p, o, *this);
   }
   ffi::Error run(const Kernel<GemmProblem, GemmOperands, CudaRuntime>& rule, const GemmProblem& p,
                  const GemmOperands& o);
+  ffi::Error run(const Kernel<DgradDactProblem, DgradDactOperands, CudaRuntime>& rule, const DgradDactProblem& q,
+                 const DgradDactOperands& o);
 
   // Called once per handler call: asks whether the stream is being captured
   // (the one capture query of the call) and counts the captured calls.

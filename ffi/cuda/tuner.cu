@@ -1,10 +1,12 @@
-// The GEMM tuner: the registry's selection with autotuning.
+// The tuner: the registry's selection with autotuning, for GEMMs and for
+// regemm_dgrad_dact (a GEMM with the backward epilogue of the layer below).
 //
 // On first sight of a problem signature, every way the registered kernels
 // offer to run it (Kernel::variants: the CUTLASS tile configurations, fused
 // or with a costly activation as a pass; cuBLASLt's first heuristic
 // algorithms, with cuBLASLt's own epilogue or ours as a pass; the SIMT kernel
-// on small problems) is timed on the call's stream, and the fastest is kept
+// on small problems; for dgrad_dact, cuBLASLt's DGELU matmul against the GEMM
+// followed by the dact pass) is timed on the call's stream, and the fastest is kept
 // for the process (and, with REGEMM_TUNE_CACHE, on disk). Later calls with
 // that signature run the winner for the cost of one pass over the
 // environment and one hash-map lookup of the problem's fields (Key).
@@ -61,6 +63,7 @@ namespace regemm {
 namespace {
 
 using GemmEntry = Kernel<GemmProblem, GemmOperands, CudaRuntime>;
+using DgradDactEntry = Kernel<DgradDactProblem, DgradDactOperands, CudaRuntime>;
 
 // The variables that change the candidate lists or what a candidate runs: a
 // winner found with one of them set is not reused without it, nor the other
@@ -107,8 +110,11 @@ struct Key {
   bool use_c, z, exact;
   uint32_t align;
   uint32_t shared;  // batch > 1: which of A, B, bias, C have batch stride 0 (bits 3..0)
+  int dact = 0;      // dgrad_dact: dact_code() of its backward epilogue; 0 for a GEMM
   std::string vars;  // way_vars(): usually empty
-  auto tie() const { return std::tie(device, dtype, ta, tb, m, n, k, batch, act, bias, use_c, z, exact, align, shared, vars); }
+  auto tie() const {
+    return std::tie(device, dtype, ta, tb, m, n, k, batch, act, bias, use_c, z, exact, align, shared, dact, vars);
+  }
   bool operator==(const Key& o) const { return tie() == o.tie(); }
 };
 struct KeyHash {
@@ -116,7 +122,7 @@ struct KeyHash {
     size_t h = std::hash<std::string>()(k.vars);
     for (int64_t v : {int64_t(k.device), int64_t(k.dtype), int64_t(k.ta), int64_t(k.tb), k.m, k.n, k.k, k.batch,
                       int64_t(k.act), int64_t(k.bias), int64_t(k.use_c), int64_t(k.z), int64_t(k.exact),
-                      int64_t(k.align), int64_t(k.shared)})
+                      int64_t(k.align), int64_t(k.shared), int64_t(k.dact)})
       h = h * 1000003u ^ std::hash<int64_t>()(v);
     return h;
   }
@@ -131,7 +137,16 @@ Key key_of(int device, const GemmProblem& p, const GemmOperands& o) {
                                          uint32_t(p.stride_bias == 0) << 1 | uint32_t(p.stride_c == 0))
                                       : 0;
   return Key{device, p.dtype, p.trans_a, p.trans_b, p.m, p.n, p.k, p.batch, p.act, p.bias_kind,
-             use_c, p.store_z, p.exact_f32, al, shared, way_vars()};
+             use_c, p.store_z, p.exact_f32, al, shared, 0, way_vars()};
+}
+
+// dgrad_dact's key: its GEMM's (S in Z's place, for its alignment) and its
+// backward epilogue (act, S = Y or Z, bias kind) as Key::dact.
+int dact_code(const DactProblem& d) { return 1 + (int(d.act) * 2 + int(d.from_y)) * 4 + int(d.bias_kind); }
+Key key_of(int device, const DgradDactProblem& q, const DgradDactOperands& o) {
+  Key key = key_of(device, q.gemm, GemmOperands{o.a, o.b, nullptr, nullptr, o.gz, const_cast<void*>(o.s)});
+  key.dact = dact_code(q.dact);
+  return key;
 }
 
 // The key as the tuning log, the disk cache and rg.tuned() name it.
@@ -142,6 +157,12 @@ std::string signature(const Key& k) {
                 (long long)k.n, (long long)k.k, (long long)k.batch, kActNames[int(k.act)].data(),
                 kBiasKindNames[int(k.bias)].data(), int(k.use_c), int(k.z), int(k.exact), k.align);
   std::string s = buf;
+  if (k.dact) {
+    const int c = k.dact - 1;
+    std::snprintf(buf, sizeof buf, " dact=%s from_%s gbias=%s", kActNames[c / 8].data(), c / 4 % 2 ? "y" : "z",
+                  kBiasKindNames[c % 4].data());
+    s += buf;
+  }
   if (k.batch > 1) {
     std::snprintf(buf, sizeof buf, " shared=%d%d%d%d", int(k.shared >> 3 & 1), int(k.shared >> 2 & 1),
                   int(k.shared >> 1 & 1), int(k.shared & 1));
@@ -150,20 +171,33 @@ std::string signature(const Key& k) {
   return s + k.vars;
 }
 
+// A way to run a problem: an entry's variant, or the registry's rule. The
+// entry is a Kernel<P, O, CudaRuntime> of the problem type the Key says
+// (Key::dact: dgrad_dact, else a GEMM).
 struct Candidate {
-  const GemmEntry* entry = nullptr;  // null: the registry's rule
+  const void* entry = nullptr;  // null: the registry's rule
   int variant = -1;
   std::string label = "rule";  // "entry/variant"
 };
 
+template <class P, class O>
+const Kernel<P, O, CudaRuntime>& entry_of(const Candidate& c) {
+  return *static_cast<const Kernel<P, O, CudaRuntime>*>(c.entry);
+}
+
+// The GEMM whose size sets how often a candidate is timed.
+const GemmProblem& gemm_of(const GemmProblem& p) { return p; }
+const GemmProblem& gemm_of(const DgradDactProblem& q) { return q.gemm; }
+
 // Every way to run p, from every entry that offers ways (or only from the one
 // REGEMM_BACKEND names).
-std::vector<Candidate> candidates(const GemmProblem& p, const GemmOperands& o, CudaRuntime& rt) {
+template <class P, class O>
+std::vector<Candidate> candidates(const P& p, const O& o, CudaRuntime& rt) {
   const char* forced = std::getenv("REGEMM_BACKEND");
   const bool restrict = forced && *forced;
   std::vector<Candidate> out;
   std::vector<std::string> names;
-  for (const GemmEntry& e : GemmRegistry<CudaRuntime>::get().entries()) {
+  for (const auto& e : Registry<P, O, CudaRuntime>::get().entries()) {
     if (!e.variants || !e.run_variant || (restrict && e.name != forced)) continue;
     names.clear();
     e.variants(p, o, rt, &names);
@@ -356,10 +390,12 @@ ffi::Error cuda_fault(const std::string& label, cudaError_t e = cudaGetLastError
 // 8192x1024x4096 bf16 forwards, docs/performance.md): a program's inputs
 // come from other work and mostly from DRAM. A candidate that declines the
 // problem is passed over; one that leaves a CUDA error ends the call with it.
-ffi::Error time_candidates(const std::vector<Candidate>& cands, const GemmProblem& p, const GemmOperands& o,
-                           CudaRuntime& rt, int device, const std::string& sig, Candidate* best) {
+template <class P, class O>
+ffi::Error time_candidates(const std::vector<Candidate>& cands, const P& p, const O& o, CudaRuntime& rt, int device,
+                           const std::string& sig, Candidate* best) {
   // Enough runs per candidate to see past launch noise (3 to 10).
-  const double flops = 2.0 * double(p.m) * double(p.n) * double(p.k) * double(p.batch);
+  const GemmProblem& g = gemm_of(p);
+  const double flops = 2.0 * double(g.m) * double(g.n) * double(g.k) * double(g.batch);
   int reps = flops > 4e11 ? 3 : flops > 4e10 ? 5 : 10;
   if (const char* r = std::getenv("REGEMM_TUNE_REPS"); r && std::atoi(r) > 0) reps = std::min(std::atoi(r), 32);
   std::vector<cudaEvent_t> ev(2 * size_t(reps), nullptr);
@@ -379,7 +415,8 @@ ffi::Error time_candidates(const std::vector<Candidate>& cands, const GemmProble
   for (const Candidate& c : cands) {
     // Warm-up (and: can it run at all?), counting the device operations of a run.
     rt.ops = 0;
-    if (c.entry->run_variant(p, o, rt, c.variant).failure()) {
+    const auto& entry = entry_of<P, O>(c);
+    if (entry.run_variant(p, o, rt, c.variant).failure()) {
       if (ffi::Error e = cuda_fault(c.label); e.failure()) return e;
       if (log) std::fprintf(stderr, "regemm tune: %s: %s cannot run it\n", sig.c_str(), c.label.c_str());
       continue;
@@ -392,7 +429,7 @@ ffi::Error time_candidates(const std::vector<Candidate>& cands, const GemmProble
     for (int r = 0; r < reps && ran; ++r) {
       cold.flush(rt.stream);
       cudaEventRecord(ev[2 * r], rt.stream);
-      ran = !c.entry->run_variant(p, o, rt, c.variant).failure();
+      ran = !entry.run_variant(p, o, rt, c.variant).failure();
       cudaEventRecord(ev[2 * r + 1], rt.stream);
     }
     if (release) *release = ticket;
@@ -417,10 +454,11 @@ ffi::Error time_candidates(const std::vector<Candidate>& cands, const GemmProble
 // A remembered way that declines now (it should not: the signature fixes
 // what applies) gives way to the rule, which reports any error of its own; a
 // way that broke reports its CUDA error.
-ffi::Error run_candidate(const Candidate& c, const GemmEntry& rule, const GemmProblem& p, const GemmOperands& o,
+template <class P, class O>
+ffi::Error run_candidate(const Candidate& c, const Kernel<P, O, CudaRuntime>& rule, const P& p, const O& o,
                          CudaRuntime& rt) {
   if (!c.entry) return rule.run(p, o, rt);
-  ffi::Error e = c.entry->run_variant(p, o, rt, c.variant);
+  ffi::Error e = entry_of<P, O>(c).run_variant(p, o, rt, c.variant);
   if (!e.failure()) return e;
   if (ffi::Error fault = cuda_fault(c.label); fault.failure()) return fault;
   std::fprintf(stderr, "regemm tune: %s declined here (%s); the rule runs instead\n", c.label.c_str(),
@@ -428,13 +466,11 @@ ffi::Error run_candidate(const Candidate& c, const GemmEntry& rule, const GemmPr
   return rule.run(p, o, rt);
 }
 
-}  // namespace
-
-ffi::Error CudaRuntime::run(const GemmEntry& rule, const GemmProblem& p, const GemmOperands& o) {
-  if (env_off("REGEMM_TUNE")) return rule.run(p, o, *this);
-  int device = 0;
-  REGEMM_CUDA_CHECK(cudaGetDevice(&device));
-  Key key = key_of(device, p, o);
+// The winner for `key` (timed now if it is new and may be), run. `may_time`
+// false: a new signature runs the rule, untimed and not remembered.
+template <class P, class O>
+ffi::Error tuned_run(const Kernel<P, O, CudaRuntime>& rule, const P& p, const O& o, CudaRuntime& rt, int device,
+                     Key key, bool may_time) {
   host_mark(HostPhase::kSigned);
   Candidate known;
   bool found = false;
@@ -444,10 +480,10 @@ ffi::Error CudaRuntime::run(const GemmEntry& rule, const GemmProblem& p, const G
   }
   if (found) {
     host_mark(HostPhase::kWayFound);
-    return run_candidate(known, rule, p, o, *this);
+    return run_candidate(known, rule, p, o, rt);
   }
   const std::string sig = signature(key);
-  std::vector<Candidate> cands = candidates(p, o, *this);
+  std::vector<Candidate> cands = candidates(p, o, rt);
   Candidate chosen;
   if (cands.size() == 1) chosen = cands[0];
   if (const char* forced = std::getenv("REGEMM_VARIANT"); forced && *forced)
@@ -464,10 +500,8 @@ ffi::Error CudaRuntime::run(const GemmEntry& rule, const GemmProblem& p, const G
         if (c.label == it->second) chosen = c;
   }
   if (cands.size() > 1 && !chosen.entry) {
-    const int64_t y_bytes = p.m * p.n * p.batch * dtype_size(p.dtype);
-    const bool c_aliases = p.has_c && (overlaps(o.c, o.y, y_bytes) || overlaps(o.c, o.z, y_bytes));
-    if (capturing || c_aliases) return rule.run(p, o, *this);  // untimed, and not remembered
-    if (ffi::Error e = time_candidates(cands, p, o, *this, device, sig, &chosen); e.failure()) return e;
+    if (rt.capturing || !may_time) return rule.run(p, o, rt);  // untimed, and not remembered
+    if (ffi::Error e = time_candidates(cands, p, o, rt, device, sig, &chosen); e.failure()) return e;
     std::lock_guard<std::mutex> lock(g_mu);
     ++g_timings;
     if (chosen.entry && !disk_key.empty()) {
@@ -479,7 +513,28 @@ ffi::Error CudaRuntime::run(const GemmEntry& rule, const GemmProblem& p, const G
     std::lock_guard<std::mutex> lock(g_mu);
     g_winners.emplace(std::move(key), Winner{chosen, std::to_string(device) + " " + sig});
   }
-  return run_candidate(chosen, rule, p, o, *this);
+  return run_candidate(chosen, rule, p, o, rt);
+}
+
+}  // namespace
+
+ffi::Error CudaRuntime::run(const GemmEntry& rule, const GemmProblem& p, const GemmOperands& o) {
+  if (env_off("REGEMM_TUNE")) return rule.run(p, o, *this);
+  int device = 0;
+  REGEMM_CUDA_CHECK(cudaGetDevice(&device));
+  // A timed run would change the next one's input where C overlaps Y or Z.
+  const int64_t y_bytes = p.m * p.n * p.batch * dtype_size(p.dtype);
+  const bool c_aliases = p.has_c && (overlaps(o.c, o.y, y_bytes) || overlaps(o.c, o.z, y_bytes));
+  return tuned_run(rule, p, o, *this, device, key_of(device, p, o), !c_aliases);
+}
+
+// dgrad_dact: timed among the rule's entry's ways where it offers some (the
+// CUTLASS kernel, opt-in, offers none: it runs as chosen).
+ffi::Error CudaRuntime::run(const DgradDactEntry& rule, const DgradDactProblem& q, const DgradDactOperands& o) {
+  if (env_off("REGEMM_TUNE") || !rule.variants) return rule.run(q, o, *this);
+  int device = 0;
+  REGEMM_CUDA_CHECK(cudaGetDevice(&device));
+  return tuned_run(rule, q, o, *this, device, key_of(device, q, o), true);
 }
 
 namespace tuner {

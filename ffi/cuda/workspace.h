@@ -44,7 +44,8 @@ inline size_t dgrad_partials_bytes(int64_t m, int64_t n, int64_t batch) {
 }
 
 // regemm_dgrad_dact: the GEMM's workspace after the partial sums (the fused
-// kernel), or the GEMM's and then the dact pass's (one after the other).
+// kernel), or the GEMM's and then the dact pass's, one after the other (the
+// composed way; cuBLASLt's DGELU matmul, then the bias gradient).
 inline size_t dgrad_dact_workspace_bytes(DType t, int64_t m, int64_t n, int64_t k, int64_t batch, int64_t batch_b,
                                          BiasKind kind, bool trans_a, bool trans_b, bool exact_f32) {
   const size_t gemm = gemm_workspace_bytes(t, k, n, batch_b, trans_a, trans_b, exact_f32);
