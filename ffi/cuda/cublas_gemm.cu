@@ -506,8 +506,27 @@ const Register<GemmProblem, GemmOperands, CudaRuntime> kRegister(
 // into gZ's buffer, then the dact pass in place), 1 + i the DGELU matmul with
 // the heuristic's algorithm i. The rule, untimed, is the composed way: the
 // heuristic's first algorithm was 2.6x slower than its best at 8192x4096x1024.
+//
+// Only where gZ is larger than the L2 cache. The tuner times each way from a
+// cold cache; inside a program the composed way's pass finds the GEMM's output
+// in L2 when it fits there, and then wins: with the DGELU way on at every size,
+// the training steps with gZ of 16 and 32 MB (8192x1024x4 and 32768x512x12 bf16
+// gelu) ran 8% and 4% slower, where the block's 64-128 MB gZ ran faster.
 // ---------------------------------------------------------------------------
 enum DgradWay : int { kComposed = 0, kDgelu = 1 };
+
+// The current device's L2 cache in bytes (read once per process: the first
+// device's, as a bound for all).
+int64_t l2_bytes() {
+  static const int64_t bytes = [] {
+    int device = 0, l2 = 0;
+    if (cudaGetDevice(&device) != cudaSuccess || cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, device) != cudaSuccess)
+      l2 = 0;
+    cudaGetLastError();
+    return int64_t(l2 > 0 ? l2 : 64 << 20);
+  }();
+  return bytes;
+}
 
 bool supports_dgrad_dact(const DgradDactProblem& q) {
   const GemmProblem& p = q.gemm;
@@ -515,7 +534,8 @@ bool supports_dgrad_dact(const DgradDactProblem& q) {
   if ((forced && *forced && std::string_view(forced) != "cublas") || env_off("REGEMM_FUSED_DGRAD")) return false;
   return (p.dtype == DType::kBF16 || p.dtype == DType::kF16) && q.dact.act == Act::kGelu && !q.dact.from_y &&
          (q.dact.bias_kind == BiasKind::kNone || q.dact.bias_kind == BiasKind::kPerCol) && p.batch == 1 &&
-         p.m > 0 && p.k > 0 && p.n % 8 == 0;  // AUX_LD: a multiple of 8
+         p.m > 0 && p.k > 0 && p.n % 8 == 0 &&  // AUX_LD: a multiple of 8
+         p.m * p.n * dtype_size(p.dtype) > l2_bytes();
 }
 
 ffi::Error run_dgelu(const DgradDactProblem& q, const DgradDactOperands& o, int algo, CudaRuntime& rt) {

@@ -413,23 +413,25 @@ ffi::Error time_candidates(const std::vector<Candidate>& cands, const P& p, cons
   const bool log = env_on("REGEMM_TUNE_LOG");
   double best_us = 0;
   for (const Candidate& c : cands) {
-    // Warm-up (and: can it run at all?), counting the device operations of a run.
-    rt.ops = 0;
+    // Warm-up (and: can it run at all?). A way that runs GEMMs (dgrad_dact's
+    // composed way) may have them tuned here, on their first sight.
     const auto& entry = entry_of<P, O>(c);
     if (entry.run_variant(p, o, rt, c.variant).failure()) {
       if (ffi::Error e = cuda_fault(c.label); e.failure()) return e;
       if (log) std::fprintf(stderr, "regemm tune: %s: %s cannot run it\n", sig.c_str(), c.label.c_str());
       continue;
     }
-    const int ops = rt.ops;
     const uint32_t ticket = ++tickets;
     hold_stream<<<1, 1, 0, rt.stream>>>(release, ticket, release ? kMaxHoldNs : 1000000);
     REGEMM_LAUNCH_CHECK();
     bool ran = true;
+    int ops = 0;  // the device operations of one run (counted on the first timed one)
     for (int r = 0; r < reps && ran; ++r) {
       cold.flush(rt.stream);
       cudaEventRecord(ev[2 * r], rt.stream);
+      rt.ops = 0;
       ran = !entry.run_variant(p, o, rt, c.variant).failure();
+      if (r == 0) ops = rt.ops;
       cudaEventRecord(ev[2 * r + 1], rt.stream);
     }
     if (release) *release = ticket;
