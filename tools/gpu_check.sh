@@ -59,8 +59,12 @@ if [ $build_rc -eq 0 ]; then
   "$PY" -P -c "import jax_regemm as rg; print(rg.kernels())" >>"$OUT/env.log" 2>&1 || build_rc=99
 fi
 NVCC="nvcc -std=c++17 -O2 -gencode=arch=compute_90a,code=sm_90a"
-$NVCC -o "$OUT/.tma_repro" tools/tma_sanitizer_repro.cu >>"$OUT/build.log" 2>&1 || build_rc=98
-$NVCC -Iffi/cuda -o "$OUT/.sanitize_pass" tools/sanitize_pass.cu ffi/cuda/epilogue_pass.cu >>"$OUT/build.log" 2>&1 \
+# The two harnesses' binaries outside $OUT, which keeps only logs (a device
+# tool that brings back a limited number of files then brings the logs).
+BIN="$(mktemp -d)"
+trap 'rm -rf "$BIN"' EXIT
+$NVCC -o "$BIN/tma_repro" tools/tma_sanitizer_repro.cu >>"$OUT/build.log" 2>&1 || build_rc=98
+$NVCC -Iffi/cuda -o "$BIN/sanitize_pass" tools/sanitize_pass.cu ffi/cuda/epilogue_pass.cu >>"$OUT/build.log" 2>&1 \
   || build_rc=97
 build_s=$((SECONDS - t0))
 
@@ -133,10 +137,10 @@ if [ $san_on -eq 1 ]; then
       # tensor-uninstrumented: the TMA writer left out by name, only the reader instrumented.
       filter=""
       [ "$writer" = tensor-uninstrumented ] && filter="--kernel-name kns=read_tile"
-      san_run "$OUT/.repro" 60 --tool "$tool" $filter "$OUT/.tma_repro" "${writer%-uninstrumented}"
+      san_run "$OUT/.repro" 60 --tool "$tool" $filter "$BIN/tma_repro" "${writer%-uninstrumented}"
       { echo "##### $tool / $writer"; cat "$OUT/.repro"; } >>"$OUT/tma_repro.log"
     done
-    san_run "$OUT/.pass_${tool}.log" 120 --tool "$tool" $(san_opts "$tool") "$OUT/.sanitize_pass"
+    san_run "$OUT/.pass_${tool}.log" 120 --tool "$tool" $(san_opts "$tool") "$BIN/sanitize_pass"
     for mode in $MODES; do
       left=$((BUDGET - (SECONDS - t0) - 10))
       [ $left -lt 30 ] && left=30
@@ -183,7 +187,9 @@ for tool in $TOOLS; do
     read -r errs warns <<<"$(errors "$tool" "$f")"
     attempt="$(sed -n 's/^(started on attempt \([0-9]\))$/ (started on attempt \1)/p' "$f")"
     if [ -z "${errs:-}" ] || ! grep -q "$ok_text" "$f"; then
-      line="$line $mode=FAILED-TO-RUN"
+      # How it ended, in the summary itself: the exit status and the program's last line.
+      last="$(grep -v '^$' "$f" | grep -v '^sanitizer exit status\|^(started on' | tail -1 | cut -c1-160)"
+      line="$line $mode=FAILED-TO-RUN ($(grep -o 'sanitizer exit status: [0-9]*' "$f" | tail -1)$attempt; last line: $last)"
       san_bad=1
     elif [ "$tool" = initcheck ]; then
       # Each kernel report is "Uninitialized __global__ memory read ..." then "at <kernel>".
