@@ -75,15 +75,18 @@ def test_dgrad_dact_bias_kinds_transposes_batches(rand, kind, ta, tb):
 # ---------------------------------------------------------------------------
 
 
-def _cuda():
+def _cuda_with(kernel):
+    """The CUDA module on a GPU backend where `kernel` is among dgrad_dact's entries, else None."""
+    if jax.default_backend() != "gpu":
+        return None
     try:
         from jax_regemm import _regemm_cuda
     except ImportError:
         return None
-    return _regemm_cuda if "cutlass_sm90" in str(_ffi.kernels().get("cuda", {}).get("dgrad_dact", [])) else None
+    return _regemm_cuda if kernel in str(_ffi.kernels().get("cuda", {}).get("dgrad_dact", [])) else None
 
 
-CUDA = _cuda() if jax.default_backend() == "gpu" else None
+CUDA = _cuda_with("cutlass_sm90")
 gpu = pytest.mark.skipif(CUDA is None, reason="needs a Hopper GPU and the CUDA module's CUTLASS kernels")
 
 
@@ -148,15 +151,7 @@ def test_fused_kernel_batches_and_no_bias(rand, monkeypatch):
 # ---------------------------------------------------------------------------
 
 
-def _lt():
-    try:
-        from jax_regemm import _regemm_cuda
-    except ImportError:
-        return None
-    return _regemm_cuda if "cublas" in str(_ffi.kernels().get("cuda", {}).get("dgrad_dact", [])) else None
-
-
-LT = _lt() if jax.default_backend() == "gpu" else None
+LT = _cuda_with("cublas")
 lt = pytest.mark.skipif(LT is None, reason="needs a GPU and the CUDA module")
 # gZ of 68 MB, past the H100's 50 MB L2 (the way's condition); partial tiles in both dims.
 BIG = dict(m=8300, n=4104, k=72)
