@@ -94,6 +94,11 @@ REGEMM_HD double abs(double x) { return ::fabs(x); }
 // On the host FastMath is PreciseMath.
 struct PreciseMath {
   template <class T> static REGEMM_HD T exp(T x) { return math::exp(x); }
+  // exp(x) for x <= 0: on the host, the cheaper float form (host_math::exp_nonpos).
+  template <class T> static REGEMM_HD T exp_nonpos(T x) { return exp(x); }
+#if !defined(__CUDA_ARCH__)
+  static float exp_nonpos(float x) { return host_math::exp_nonpos(x); }
+#endif
   template <class T> static REGEMM_HD T tanh(T x) { return math::tanh(x); }
   template <class T> static REGEMM_HD T erfc(T x) { return math::erfc(x); }
   template <class T> static REGEMM_HD T rcp(T x) { return T(1) / x; }
@@ -109,6 +114,7 @@ struct FastMath : PreciseMath {
     return y;
   }
   static REGEMM_HD float exp(float x) { return ex2(x * 1.4426950408889634f); }
+  static REGEMM_HD float exp_nonpos(float x) { return exp(x); }
   static REGEMM_HD float rcp(float x) {
     float y;
     asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
@@ -145,7 +151,7 @@ struct FastMath : PreciseMath {
 // diverge on the device); NaN propagates through exp.
 template <class T> struct Sig { T s, one_minus_s; };
 template <class T, class M = PreciseMath> REGEMM_HD Sig<T> sigmoid2(T z) {
-  const T e = M::exp(-math::abs(z));
+  const T e = M::exp_nonpos(-math::abs(z));
   const T r = M::rcp(T(1) + e);
   return z >= T(0) ? Sig<T>{r, e * r} : Sig<T>{e * r, r};
 }

@@ -32,6 +32,27 @@ inline float exp(float x) {
   return x != x ? x : y;
 }
 
+// exp(x) for x <= 0 (or NaN, which propagates), where the activations call it
+// (exp(-|z|), exp(-2|z|)): no overflow side, and a result below the smallest
+// normal float (x < -87.33) comes out 0, an absolute error below 1.2e-38. One
+// scaling by 2^n and a sixth-order polynomial (|r| <= ln2/2: 1.2e-7 relative),
+// about a third fewer instructions than exp() above.
+inline float exp_nonpos(float x) {
+  const float kLog2e = 1.44269504088896341f, kLn2Hi = 0.693145751953125f, kLn2Lo = 1.428606765330187e-06f;
+  const float xc = x < -87.33f ? -87.33f : x;
+  const float n = __builtin_floorf(xc * kLog2e + 0.5f);  // in [-126, 0]
+  const float r = (xc - n * kLn2Hi) - n * kLn2Lo;
+  float p = 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const float y = p * pow2i(n);
+  return x < -87.33f ? 0.0f : y;
+}
+
 inline float tanh(float x) {
   const float t = x < 0.0f ? -x : x;
   // |x| < 0.3: odd Taylor series (next term < 3e-11); else (1 - e) / (1 + e), e = exp(-2|x|).
@@ -43,7 +64,7 @@ inline float tanh(float x) {
   p = p * s + 2.0f / 15.0f;
   p = p * s - 1.0f / 3.0f;
   const float small = t + t * s * p;
-  const float e = exp(-2.0f * t);
+  const float e = exp_nonpos(-2.0f * t);
   const float large = (1.0f - e) / (1.0f + e);
   const float r = t < 0.3f ? small : large;
   return x != x ? x : (x < 0.0f ? -r : r);
