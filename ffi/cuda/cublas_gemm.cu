@@ -519,11 +519,9 @@ enum DgradWay : int { kComposed = 0, kDgelu = 1 };
 // device's, as a bound for all).
 int64_t l2_bytes() {
   static const int64_t bytes = [] {
-    int device = 0, l2 = 0;
-    if (cudaGetDevice(&device) != cudaSuccess || cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, device) != cudaSuccess)
-      l2 = 0;
-    cudaGetLastError();
-    return int64_t(l2 > 0 ? l2 : 64 << 20);
+    int device = 0;
+    if (cudaGetDevice(&device) != cudaSuccess) cudaGetLastError();
+    return int64_t(l2_cache_bytes(device));
   }();
   return bytes;
 }
@@ -540,7 +538,7 @@ bool supports_dgrad_dact(const DgradDactProblem& q) {
 
 ffi::Error run_dgelu(const DgradDactProblem& q, const DgradDactOperands& o, int algo, CudaRuntime& rt) {
   if (!aligned16(o.s) || !aligned16(o.gz)) return bad("cuBLASLt DGELU: Z and gZ must be 16-byte aligned");
-  const GemmOperands go{o.a, o.b, nullptr, nullptr, o.gz, const_cast<void*>(o.s)};  // aux: read only (DGELU)
+  const GemmOperands go = gemm_operands_with_s(o);  // aux: read only (DGELU)
   {
     Call c;
     if (auto e = prepare(q.gemm, rt, &c); e.failure()) return e;
@@ -562,7 +560,7 @@ void dgrad_dact_variants(const DgradDactProblem& q, const DgradDactOperands& o, 
   Call c;
   if (!aligned16(o.s) || !aligned16(o.gz) || prepare(q.gemm, rt, &c).failure()) return;
   std::lock_guard<std::mutex> lock(c.dh->mu);
-  const GemmOperands go{o.a, o.b, nullptr, nullptr, o.gz, const_cast<void*>(o.s)};
+  const GemmOperands go = gemm_operands_with_s(o);
   ffi::Error err = ffi::Error::Success();
   const LtPlan* plan = plan_for(*c.dh, q.gemm, go, c.t, CUBLASLT_EPILOGUE_DGELU, false, c.workspace_bytes, &err);
   if (!plan || plan->algos.empty()) return;

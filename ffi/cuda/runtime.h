@@ -55,6 +55,16 @@ inline std::atomic<int64_t> g_captured_calls{0};
 // what an uncaptured custom call costs the host beyond XLA's own thunk.
 inline std::atomic<int64_t> g_host_calls{0}, g_host_ns{0};
 
+// The device's L2 cache in bytes (64 MiB where the query fails).
+inline size_t l2_cache_bytes(int device) {
+  int l2 = 0;
+  if (cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, device) != cudaSuccess || l2 <= 0) {
+    cudaGetLastError();
+    l2 = 64 << 20;
+  }
+  return size_t(l2);
+}
+
 struct CudaRuntime {
   // `workspace`: the call's workspace result (workspace.h).
   CudaRuntime(ffi::AnyBuffer workspace, cudaStream_t s)

@@ -144,7 +144,7 @@ Key key_of(int device, const GemmProblem& p, const GemmOperands& o) {
 // backward epilogue (act, S = Y or Z, bias kind) as Key::dact.
 int dact_code(const DactProblem& d) { return 1 + (int(d.act) * 2 + int(d.from_y)) * 4 + int(d.bias_kind); }
 Key key_of(int device, const DgradDactProblem& q, const DgradDactOperands& o) {
-  Key key = key_of(device, q.gemm, GemmOperands{o.a, o.b, nullptr, nullptr, o.gz, const_cast<void*>(o.s)});
+  Key key = key_of(device, q.gemm, gemm_operands_with_s(o));
   key.dact = dact_code(q.dact);
   return key;
 }
@@ -352,9 +352,7 @@ struct ColdCache {
   uint4* buf = nullptr;
   size_t n = 0;
   explicit ColdCache(int device) {
-    int l2 = 0;
-    if (cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, device) != cudaSuccess || l2 <= 0) l2 = 64 << 20;
-    const size_t bytes = 2 * size_t(l2);
+    const size_t bytes = 2 * l2_cache_bytes(device);
     if (cudaMalloc(&buf, bytes) != cudaSuccess || cudaMemset(buf, 0, bytes) != cudaSuccess) {
       cudaGetLastError();
       if (buf) cudaFree(buf);

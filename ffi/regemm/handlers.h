@@ -261,6 +261,12 @@ constexpr auto dact_binding() {
 // the GEMM writes gZ's buffer and the dact kernel rewrites it in place (both
 // kernels' loops allow gY == gZ), so nothing else is allocated.
 
+// The GEMM's operands with S in Z's place: S is what cuBLASLt's DGELU reads as
+// its aux matrix, and the tuner keys a dgrad_dact winner by its alignment too.
+inline GemmOperands gemm_operands_with_s(const DgradDactOperands& o) {
+  return GemmOperands{o.a, o.b, nullptr, nullptr, o.gz, const_cast<void*>(o.s)};
+}
+
 // The composed way, for one outer batch entry.
 template <class Runtime>
 ffi::Error dgrad_then_dact(const DgradDactProblem& q, const DgradDactOperands& o, Runtime& rt) {
