@@ -42,7 +42,6 @@
 #include <memory>
 #include <mutex>
 #include <string>
-#include <string_view>
 #include <tuple>
 #include <unordered_map>
 #include <vector>
@@ -528,8 +527,7 @@ int64_t l2_bytes() {
 
 bool supports_dgrad_dact(const DgradDactProblem& q) {
   const GemmProblem& p = q.gemm;
-  const char* forced = std::getenv("REGEMM_BACKEND");
-  if ((forced && *forced && std::string_view(forced) != "cublas") || env_off("REGEMM_FUSED_DGRAD")) return false;
+  if (backend_forced_elsewhere("cublas") || env_off("REGEMM_FUSED_DGRAD")) return false;
   return (p.dtype == DType::kBF16 || p.dtype == DType::kF16) && q.dact.act == Act::kGelu && !q.dact.from_y &&
          (q.dact.bias_kind == BiasKind::kNone || q.dact.bias_kind == BiasKind::kPerCol) && p.batch == 1 &&
          p.m > 0 && p.k > 0 && p.n % 8 == 0 &&  // AUX_LD: a multiple of 8

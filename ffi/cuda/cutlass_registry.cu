@@ -3,7 +3,6 @@
 // their own translation units (cutlass.cmake).
 #include <cstdlib>
 #include <string>
-#include <string_view>
 
 #include "../regemm/env.h"
 #include "../regemm/handlers.h"
@@ -83,8 +82,7 @@ const Register<GemmProblem, GemmOperands, CudaRuntime> kRegister(
 // ms; docs/performance.md). Never where REGEMM_BACKEND forces another kernel
 // (the sanitizers' runs keep TMA kernels out).
 bool supports_dgrad_dact(const DgradDactProblem& q) {
-  const char* forced = std::getenv("REGEMM_BACKEND");
-  if (forced && *forced && std::string_view(forced) != kName) return false;
+  if (backend_forced_elsewhere(kName)) return false;
   return env_on("REGEMM_FUSED_DGRAD") && can_run_dgrad_dact(q.gemm, q.dact);
 }
 

@@ -23,6 +23,16 @@ namespace regemm {
 
 namespace ffi = xla::ffi;
 
+// Whether REGEMM_BACKEND names a kernel other than `name`. select() passes
+// over a forced name that does not support a problem and takes the best of
+// the rest; an entry that must stay out whenever another is forced (one that
+// would run a backend the forcing keeps out, as the sanitizers' runs keep the
+// TMA kernels out) declines in its supports() with this.
+inline bool backend_forced_elsewhere(std::string_view name) {
+  const char* forced = std::getenv("REGEMM_BACKEND");
+  return forced && *forced && name != forced;
+}
+
 template <class Problem, class Operands, class Runtime>
 struct Kernel {
   using Supports = bool (*)(const Problem&);
