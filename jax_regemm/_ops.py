@@ -25,6 +25,7 @@ kernels broadcast by stride), folding a batch of A against a shared B into M.
 from __future__ import annotations
 
 import dataclasses
+import os
 from functools import partial
 
 import jax
@@ -115,6 +116,33 @@ def _fused_lower(*args, cfg):
 
 
 _fused_p = _primitive("regemm_fused", _fused_ref, _fused_lower)
+
+
+def plain(cfg):
+    """alpha op(A) op(B) and nothing else: no bias, C, activation or Z stash to fuse."""
+    return cfg.act == "none" and cfg.bias_kind == "none" and not cfg.c_shape and not cfg.return_z
+
+
+def _xla_gemm(a, b, *, cfg):
+    """A plain GEMM as XLA's own dot. On the GPU nothing is left to fuse into it, and
+    XLA's GEMM is at least as fast: its autotuned cuBLAS/Triton choice (split-K
+    for the narrow wgrad GEMMs of deep narrow MLPs, small and unaligned shapes), a
+    cheaper launch than a custom call, and a node XLA can fuse and schedule around."""
+    precision = lax.Precision.HIGHEST if cfg.exact_f32 else lax.Precision.DEFAULT
+    mm = partial(jnp.matmul, _op(a, cfg.trans_a), _op(b, cfg.trans_b), precision=precision,
+                 out_sharding=cfg.out_sharding)  # fmt: skip
+    if cfg.alpha == 1.0:  # the product in a's dtype, accumulated in f32 (as nn.Dense's)
+        return [mm()]
+    return [(cfg.alpha * mm(preferred_element_type=reference._acc_dtype(a.dtype))).astype(a.dtype)]
+
+
+def _fused_lower_cuda(*args, cfg):
+    if plain(cfg) and os.environ.get("REGEMM_PLAIN_GEMM", "xla") != "regemm":
+        return _xla_gemm(*args, cfg=cfg)
+    return _fused_lower(*args, cfg=cfg)
+
+
+mlir.register_lowering(_fused_p, mlir.lower_fun(_fused_lower_cuda, multiple_results=True), platform="cuda")
 
 
 def fused(cfg: Config, a, b, bias, c):

@@ -35,6 +35,12 @@ def on_cpu() -> bool:
     return jax.default_backend() == "cpu"
 
 
+# A plain GEMM (alpha op(A) op(B): the backward's dgrad and wgrad GEMMs) is a
+# regemm call on the CPU and XLA's own dot on the GPU (jax_regemm._ops.plain):
+# the regemm calls a program has per plain GEMM in it.
+PLAIN_GEMM_CALLS = 0 if jax.default_backend() == "gpu" else 1
+
+
 # ---------------------------------------------------------------------------
 # float64 NumPy reference
 # ---------------------------------------------------------------------------

@@ -155,8 +155,10 @@ def test_forward_large_tiles(trans, mode):
 @pytest.mark.parametrize("mode", MODE_NAMES)
 @pytest.mark.parametrize("trans", TRANS)
 def test_plain_gemm(trans, mode, backend, monkeypatch):
-    """act none, no bias, no C: cuBLAS (strided batched, every transpose) and the SIMT kernel."""
+    """act none, no bias, no C: cuBLAS (strided batched, every transpose) and the SIMT kernel
+    (which a program reaches with REGEMM_PLAIN_GEMM=regemm; by default XLA's dot runs it)."""
     monkeypatch.setenv("REGEMM_BACKEND", backend)  # read by the registry at every call
+    monkeypatch.setenv("REGEMM_PLAIN_GEMM", "regemm")  # read at lowering
     dtype, precision, tol = MODES[mode]
     m, n, k = 33, 129, 65
     r = Rand(11)

@@ -41,6 +41,7 @@ TOL = {"bfloat16": 2e-2, "float16": 5e-3, "float32": 5e-3}  # f32 at default pre
 @pytest.fixture(autouse=True)
 def _force_cutlass(monkeypatch):
     monkeypatch.setenv("REGEMM_BACKEND", "cutlass_sm90")
+    monkeypatch.setenv("REGEMM_PLAIN_GEMM", "regemm")  # a plain GEMM too on the kernel, not XLA's dot
 
 
 def _rel(out, ref):

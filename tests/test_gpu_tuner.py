@@ -40,6 +40,12 @@ if not _gpus() or rg._ffi._regemm_cuda is None:
     pytest.skip("no GPU or no CUDA module: the tuner tests need both", allow_module_level=True)
 
 pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def _plain_gemms_on_regemm(monkeypatch):
+    """Tests of the tuner's ways: a plain GEMM among them runs on the kernels, not XLA's dot."""
+    monkeypatch.setenv("REGEMM_PLAIN_GEMM", "regemm")
 cuda = rg._ffi._regemm_cuda
 HOPPER = any(h in _gpus()[0].device_kind for h in ("H100", "H200", "H800", "GH200"))
 CUTLASS = HOPPER and "cutlass_sm90" in rg.kernels()["cuda"]["gemm"]

@@ -18,6 +18,7 @@ from conftest import (
     BIAS_KINDS,
     BIAS_VARIANT_LABELS,
     DTYPES,
+    PLAIN_GEMM_CALLS,
     TRANS,
     Y_ACTS,
     assert_rel,
@@ -326,20 +327,20 @@ def _fwd_gemm_calls(text):
 
 
 @pytest.mark.parametrize(
-    "act,save,stores_z,from_y,gemms",
+    "act,save,stores_z,from_y,fused",
     [
-        ("relu", "y", False, True, 3),
-        ("relu", "auto", False, True, 3),
-        ("relu", "z", True, False, 3),
-        ("relu", "recompute", False, False, 4),
-        ("gelu", "auto", True, False, 3),
-        ("gelu", "z", True, False, 3),
-        ("gelu", "recompute", False, False, 4),
-        ("tanh", "y", False, True, 3),
-        ("sigmoid", "auto", False, True, 3),
+        ("relu", "y", False, True, 1),
+        ("relu", "auto", False, True, 1),
+        ("relu", "z", True, False, 1),
+        ("relu", "recompute", False, False, 2),
+        ("gelu", "auto", True, False, 1),
+        ("gelu", "z", True, False, 1),
+        ("gelu", "recompute", False, False, 2),
+        ("tanh", "y", False, True, 1),
+        ("sigmoid", "auto", False, True, 1),
     ],
 )
-def test_save_policy_residuals(rand, act, save, stores_z, from_y, gemms):
+def test_save_policy_residuals(rand, act, save, stores_z, from_y, fused):
     """What the forward keeps: "z" stores Z, "y" stores nothing beyond Y and takes act' from
     Y, "recompute" stores nothing and runs one more GEMM; "auto" is "y" where valid."""
     a, b, bias, _ = rand.operands(M, N, K, jnp.float32, bias_shape=(N,))
@@ -350,7 +351,8 @@ def test_save_policy_residuals(rand, act, save, stores_z, from_y, gemms):
     assert ("store_z = true" in fwd[0]) == stores_z
     dact = _calls(text, rg._ffi.DACT_TARGET)
     assert len(dact) == 1 and (f"from_y = {str(from_y).lower()}" in dact[0])
-    assert len(_calls(text, rg._ffi.GEMM_TARGET)) == gemms
+    # the fused GEMMs (the forward; recompute: Z again, with the bias), then dgrad and wgrad
+    assert len(_calls(text, rg._ffi.GEMM_TARGET)) == fused + 2 * PLAIN_GEMM_CALLS
     # and the forward alone (no grad) never stores Z
     text = jax.jit(lambda a, b, bias: rg.gemm_bias_act(a, b, bias, act=act, save=save)).lower(a, b, bias).as_text()
     assert "store_z = false" in _calls(text, rg._ffi.GEMM_TARGET)[0]
@@ -371,12 +373,13 @@ def test_backward_split_drops_unused(rand, trans, save):
     a, b, bias, c = rand.operands(M, N, K, jnp.float32, trans_a=ta, trans_b=tb, bias_shape=(M,), with_c=True)
     f = lambda a, b, bias, c: jnp.sum(rg.gemm_bias_act(a, b, bias, act=act, c=c, beta=0.5, trans_a=ta, trans_b=tb,
                                                        save=save) ** 2)  # fmt: skip
-    extra = 1 if save == "recompute" else 0  # Z recomputed: one more GEMM
-    assert _compiled_gemms(f, (0, 1), a, b, bias, c) == (3 + extra, 1)
-    assert _compiled_gemms(f, 1, a, b, bias, c) == (2 + extra, 1)
-    assert _compiled_gemms(f, 0, a, b, bias, c) == (2 + extra, 1)
-    assert _compiled_gemms(f, 2, a, b, bias, c) == (1 + extra, 1)
-    assert _compiled_gemms(f, 3, a, b, bias, c) == (1 + extra, 1)
+    fused = 2 if save == "recompute" else 1  # the forward; recompute: Z again, with the bias and C
+    p = PLAIN_GEMM_CALLS  # per plain GEMM (dgrad, wgrad)
+    assert _compiled_gemms(f, (0, 1), a, b, bias, c) == (fused + 2 * p, 1)
+    assert _compiled_gemms(f, 1, a, b, bias, c) == (fused + p, 1)
+    assert _compiled_gemms(f, 0, a, b, bias, c) == (fused + p, 1)
+    assert _compiled_gemms(f, 2, a, b, bias, c) == (fused, 1)
+    assert _compiled_gemms(f, 3, a, b, bias, c) == (fused, 1)
     # and the gradients are right
     got = jax.grad(f, argnums=(0, 1, 2, 3))(a, b, bias, c)
     fr = lambda a, b, bias, c: jnp.sum(R.gemm_bias_act(a, b, bias, act=act, c=c, beta=0.5, trans_a=ta, trans_b=tb,
@@ -385,8 +388,49 @@ def test_backward_split_drops_unused(rand, trans, save):
         assert_rel(g, r, jnp.float32)
 
 
+def _lowered_for_cuda(f, *args):
+    """f's StableHLO as lowered for the CUDA platform (no GPU needed)."""
+    return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_plain_gemms_are_xla_dots_on_cuda(rand, monkeypatch):
+    """On the GPU a GEMM with nothing to fuse (the backward's dgrad and wgrad) lowers to XLA's
+    own dot; the fused forward stays a regemm call. REGEMM_PLAIN_GEMM=regemm keeps every GEMM a
+    regemm call. A weight shared by a vmapped batch stays one dot, never broadcast."""
+    a, b, bias, _ = rand.operands(M, N, K, jnp.float32, bias_shape=(N,))
+    loss = lambda a, b, bias: jnp.sum(rg.gemm_bias_act(a, b, bias, act="gelu") ** 2)
+    grad = jax.grad(loss, argnums=(0, 1, 2))
+    text = _lowered_for_cuda(grad, a, b, bias)
+    assert len(_calls(text, rg._ffi.GEMM_TARGET)) == 1 and text.count("stablehlo.dot_general") == 2, text
+    assert len(_calls(text, rg._ffi.DACT_TARGET)) == 1
+    # alpha != 1 and the transposes, as dots (the forward of act none without a bias or C)
+    text = _lowered_for_cuda(lambda a, b: rg.gemm_bias_act(b, a, act="none", alpha=-2.0, trans_a=True, trans_b=True), a, b)
+    assert not _calls(text, rg._ffi.GEMM_TARGET) and text.count("stablehlo.dot_general") == 1, text
+    batched = rand.normal((3, M, K), jnp.float32)
+    text = _lowered_for_cuda(lambda x: jax.grad(lambda b: jnp.sum(jax.vmap(lambda x: loss(x, b, bias))(x)))(b), batched)
+    assert f"{3}x{K}x{N}" not in text and text.count("stablehlo.dot_general") == 1, text  # the wgrad over 3 x M rows
+    monkeypatch.setenv("REGEMM_PLAIN_GEMM", "regemm")  # read at lowering: a new function, not a cached lowering
+    text = _lowered_for_cuda(jax.grad(lambda *args: loss(*args), argnums=(0, 1, 2)), a, b, bias)
+    assert len(_calls(text, rg._ffi.GEMM_TARGET)) == 3 and "stablehlo.dot_general" not in text
+
+
+def test_plain_gemm_on_xla_matches_the_reference(rand):
+    """The dot the CUDA lowering emits for a plain GEMM (alpha, transposes, f32 and bf16), run here."""
+    from jax_regemm import _ops
+
+    for dt in (jnp.float32, jnp.bfloat16):
+        for ta, tb in TRANS:
+            a, b, _, _ = rand.operands(M, N, K, dt, trans_a=ta, trans_b=tb)
+            for alpha in (1.0, -0.75):
+                cfg = _ops.Config(act="none", alpha=alpha, trans_a=ta, trans_b=tb)
+                (y,) = jax.jit(lambda a, b: _ops._xla_gemm(a, b, cfg=cfg))(a, b)
+                want, _ = np_gemm_bias_act(a, b, None, act="none", alpha=alpha, trans_a=ta, trans_b=tb)
+                assert y.dtype == dt
+                assert_rel(y, want, dt)
+
+
 def test_backward_act_none_has_no_elementwise_pass(rand):
     """act none: act' = 1, so the backward is the two GEMMs (and a bias sum), no dact call."""
     a, b, bias, _ = rand.operands(M, N, K, jnp.float32, bias_shape=(N,))
     f = lambda a, b, bias: jnp.sum(jnp.cos(rg.gemm_bias_act(a, b, bias, act="none")))
-    assert _compiled_gemms(f, (0, 1, 2), a, b, bias) == (3, 0)
+    assert _compiled_gemms(f, (0, 1, 2), a, b, bias) == (1 + 2 * PLAIN_GEMM_CALLS, 0)

@@ -42,6 +42,9 @@ _FLAGS = {
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_autotune_level=0 " + _FLAGS).strip()
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 os.environ.setdefault("REGEMM_TUNE_REPS", "1")
+# Plain GEMMs (act none, no bias, no C) on regemm's kernels, not XLA's dot: this
+# workload is there to run every kernel of the backend.
+os.environ.setdefault("REGEMM_PLAIN_GEMM", "regemm")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
