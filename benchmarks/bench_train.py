@@ -3,10 +3,15 @@
 The step a user writes: a Flax MLP (every hidden layer Dense + activation, a
 linear last layer), a mean-squared loss, optax AdamW, all in one jax.jit.
 Plain is `nn.Dense` followed by the activation; ours is `jax_regemm.flax.MLP`
-(the same parameters, the same initial values). Each step is timed two ways:
+(the same parameters, the same initial values). The floor is the plain step
+with no bias and no activation: its GEMMs, the loss and AdamW only, which no
+epilogue fusion can beat without a faster GEMM. Each step is timed two ways:
 device time (profiler timeline of one step, devtime.py) and wall clock (a
 pipelined loop of steps, blocked once at the end, per step). Also the
 compiled step's temporary memory. Median of repeats after warm-up.
+
+--ab NAME=VAR=VALUE adds a side: ours compiled with the environment variable
+VAR set to VALUE (an A/B of a lowering or kernel choice in the same process).
 
     python benchmarks/bench_train.py --out benchmarks/results/h100_train.json
 """
@@ -14,7 +19,9 @@ compiled step's temporary memory. Median of repeats after warm-up.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import statistics
 import time
 
@@ -36,14 +43,15 @@ DTYPES = {"bf16": jnp.bfloat16, "f32": jnp.float32}
 class PlainMLP(nn.Module):
     width: int
     layers: int
-    act: str
+    act: str  # "floor": no bias and no activation
     dtype: object
 
     @nn.compact
     def __call__(self, x):
+        floor = self.act == "floor"
         for i in range(self.layers):
-            x = nn.Dense(self.width, dtype=self.dtype, param_dtype=self.dtype, name=f"Dense_{i}")(x)
-            if i < self.layers - 1:
+            x = nn.Dense(self.width, use_bias=not floor, dtype=self.dtype, param_dtype=self.dtype, name=f"Dense_{i}")(x)
+            if i < self.layers - 1 and not floor:
                 x = ACT[self.act](x)
         return x
 
@@ -81,7 +89,21 @@ def wall_ms(step, state, x, y, n=30, repeats=5):
     return statistics.median(ts)
 
 
-def run(shapes, acts, dtypes, repeats):
+@contextlib.contextmanager
+def _env(var, value):
+    old = os.environ.get(var)
+    if var:
+        os.environ[var] = value
+    try:
+        yield
+    finally:
+        if var and old is None:
+            os.environ.pop(var)
+        elif var:
+            os.environ[var] = old
+
+
+def run(shapes, acts, dtypes, repeats, ab):
     records = []
     for rows, width, layers in shapes:
         for dname in dtypes:
@@ -91,29 +113,41 @@ def run(shapes, acts, dtypes, repeats):
             y = jnp.asarray(rng.standard_normal((rows, width)), jnp.float32)
             for act in acts:
                 plain = PlainMLP(width, layers, act, dtype)
-                ours = ours_mlp(width, layers, act, dtype)
+                floor = PlainMLP(width, layers, "floor", dtype)
                 params = plain.init(jax.random.PRNGKey(0), x[:1])
-                params_ours = jax.tree.map(lambda v: v, {"params": {k: v for k, v in params["params"].items()}})
                 opt = optax.adamw(1e-3)
                 tag = f"{rows}x{width}x{layers}_{dname}_{act}"
+                sides = {"floor": (floor, floor.init(jax.random.PRNGKey(0), x[:1]), "", ""),
+                         "xla": (plain, params, "", ""),
+                         "regemm": (ours_mlp(width, layers, act, dtype), params, "", "")}  # fmt: skip
+                for name, var, value in ab:
+                    sides[name] = (sides["regemm"][0], params, var, value)
                 steps, cases, mem = {}, {}, {}
-                for side, model, p in (("xla", plain, params), ("regemm", ours, params_ours)):
-                    step = named_jit(make_step(model, opt), f"{tag}_{side}")
+                for side, (model, p, var, value) in sides.items():
                     st = (p, opt.init(p))
+                    with _env(var, value):  # read when the step is lowered
+                        step = named_jit(make_step(model, opt), f"{tag}_{side}").lower(st[0], st[1], x, y).compile()
                     steps[side] = (step, st)
                     cases[side] = (step, [(st[0], st[1], x, y)])
-                    mem[side] = step.lower(st[0], st[1], x, y).compile().memory_analysis().temp_size_in_bytes
+                    mem[side] = step.memory_analysis().temp_size_in_bytes
                 dev = device_times_ms(cases, repeats=repeats)
                 wall = {side: wall_ms(step, st, x, y) for side, (step, st) in steps.items()}
                 rec = dict(shape=[rows, width, layers], dtype=dname, act=act,
-                           xla_ms=dev["xla"], regemm_ms=dev["regemm"], speedup=dev["xla"] / dev["regemm"],
-                           xla_wall_ms=wall["xla"], regemm_wall_ms=wall["regemm"],
+                           xla_ms=dev["xla"], regemm_ms=dev["regemm"], floor_ms=dev["floor"],
+                           speedup=dev["xla"] / dev["regemm"],
+                           xla_over_floor=dev["xla"] / dev["floor"], regemm_over_floor=dev["regemm"] / dev["floor"],
+                           xla_wall_ms=wall["xla"], regemm_wall_ms=wall["regemm"], floor_wall_ms=wall["floor"],
                            wall_speedup=wall["xla"] / wall["regemm"],
                            xla_temp_bytes=mem["xla"], regemm_temp_bytes=mem["regemm"])  # fmt: skip
+                for name, var, value in ab:
+                    rec[name] = dict(env=f"{var}={value}", ms=dev[name], wall_ms=wall[name], temp_bytes=mem[name],
+                                     over_floor=dev[name] / dev["floor"], speedup=dev["xla"] / dev[name])  # fmt: skip
                 records.append(rec)
+                extra = "".join(f"   {n} {dev[n]:.3f} ms ({dev[n] / dev['floor']:.3f}x floor)" for n, _, _ in ab)
                 print(f"{tag:28s} device {rec['xla_ms']:8.3f} / {rec['regemm_ms']:8.3f} ms = {rec['speedup']:.3f}x   "
+                      f"floor {rec['floor_ms']:.3f} ms: xla {rec['xla_over_floor']:.3f}x ours {rec['regemm_over_floor']:.3f}x   "
                       f"wall {rec['xla_wall_ms']:8.3f} / {rec['regemm_wall_ms']:8.3f} = {rec['wall_speedup']:.3f}x   "
-                      f"temp {mem['regemm'] / max(mem['xla'], 1):.2f}x", flush=True)  # fmt: skip
+                      f"temp {mem['regemm'] / max(mem['xla'], 1):.2f}x{extra}", flush=True)  # fmt: skip
     return records
 
 
@@ -125,14 +159,23 @@ def main():
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--out", default="")
     ap.add_argument("--label", default="")
+    ap.add_argument("--ab", action="append", default=[], help="NAME=VAR=VALUE: ours with VAR=VALUE, as side NAME")
     args = ap.parse_args()
-    records = run(SHAPES[args.grid], args.acts.split(","), args.dtypes.split(","), args.repeats)
+    ab = [tuple(a.split("=", 2)) for a in args.ab]
+    records = run(SHAPES[args.grid], args.acts.split(","), args.dtypes.split(","), args.repeats, ab)
     geo = float(np.exp(np.mean([np.log(r["speedup"]) for r in records])))
     geo_wall = float(np.exp(np.mean([np.log(r["wall_speedup"]) for r in records])))
-    print(f"geo-mean speed-up: device {geo:.3f}x, wall {geo_wall:.3f}x ({len(records)} steps)")
+    geo_floor = {k: float(np.exp(np.mean([np.log(r[f"{k}_over_floor"]) for r in records]))) for k in ("xla", "regemm")}
+    print(f"geo-mean speed-up: device {geo:.3f}x, wall {geo_wall:.3f}x ({len(records)} steps); "
+          f"step/floor: xla {geo_floor['xla']:.3f}x, ours {geo_floor['regemm']:.3f}x")
+    for name, _, _ in ab:
+        g = float(np.exp(np.mean([np.log(r[name]["speedup"]) for r in records])))
+        gf = float(np.exp(np.mean([np.log(r[name]["over_floor"]) for r in records])))
+        print(f"  {name}: speed-up {g:.3f}x, step/floor {gf:.3f}x")
     if args.out:
         meta = dict(label=args.label, device=str(jax.devices()[0].device_kind), jax=jax.__version__,
-                    geo_mean_speedup=geo, geo_mean_wall_speedup=geo_wall)  # fmt: skip
+                    geo_mean_speedup=geo, geo_mean_wall_speedup=geo_wall,
+                    geo_mean_xla_over_floor=geo_floor["xla"], geo_mean_regemm_over_floor=geo_floor["regemm"])  # fmt: skip
         with open(args.out, "w") as f:
             json.dump(dict(meta=meta, records=records), f, indent=1)
 

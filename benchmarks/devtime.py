@@ -92,6 +92,21 @@ def device_times_ms(cases, repeats=20, pause_s=1e-2):
     return result
 
 
+def pipelined_ms(fn, arg_sets, n=50, repeats=5):
+    """Wall clock per call of fn, calls pipelined as a program issues them (n calls over the
+    rotated arg sets, blocked once at the end), median of repeats after warm-up: device time
+    plus whatever host time the calls do not hide."""
+    for args in arg_sets:
+        jax.block_until_ready(fn(*args))
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = [fn(*arg_sets[i % len(arg_sets)]) for i in range(n)]
+        jax.block_until_ready(out)
+        ts.append((time.perf_counter() - t0) / n * 1e3)
+    return statistics.median(ts)
+
+
 def host_median_ms(fn, *args, repeats=20):
     """Median wall time of fn(*args) after warm-up: for the CPU backend, where
     host time is device time (the call blocks until the result is ready)."""
