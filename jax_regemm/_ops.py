@@ -18,7 +18,8 @@ Each primitive has a plain-JAX reference (`_fused_ref`, `_lin_ref`,
 varying axes) are the reference's, so the ops type as `jnp` does, and the
 derivatives past first order run on it. The FFI calls appear only at
 lowering, behind their partitioning rules (_partition.py), so jit over a mesh
-keeps the work local. The ops' vmap rules add a leading batch dim (the
+keeps the work local. On the GPU a plain GEMM (nothing to fuse: the
+backward's dgrad and wgrad) lowers to XLA's own dot instead (`plain`). The ops' vmap rules add a leading batch dim (the
 kernels broadcast by stride), folding a batch of A against a shared B into M.
 """
 
