@@ -4,6 +4,8 @@ For each shape (M x K x N), dtype and activation: the jitted forward, and the
 jitted forward+backward (grad of sum(y**2) with respect to x, w and b). Our
 runs and XLA's alternate, so both see the same machine state; the figure is
 the median wall time (on the CPU the call blocks until the result is ready).
+--ab NAME=VAR=VALUE adds a side: ours compiled with the environment variable VAR
+set to VALUE (an A/B of a lowering choice in the same process).
 
     python benchmarks/cpu_vs_xla.py [--shapes 512x512x512,...] [--dtypes float32,bfloat16]
         [--acts none,relu,...] [--repeats 15] [--json results/cpu_vs_xla.json]
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import time
@@ -26,17 +29,33 @@ import jax_regemm as rg
 ACTS = "none,relu,leaky_relu,gelu,gelu_erf,sigmoid,tanh,silu"
 
 
-def paired_median_ms(f_ours, f_xla, args, repeats):
+def paired_median_ms(fns, args, repeats):
+    """Median ms of each of fns on args, their runs alternating."""
     for _ in range(3):
-        jax.block_until_ready(f_ours(*args))
-        jax.block_until_ready(f_xla(*args))
-    ours, xla = [], []
+        for f in fns:
+            jax.block_until_ready(f(*args))
+    ts = [[] for _ in fns]
     for _ in range(repeats):
-        for f, ts in ((f_ours, ours), (f_xla, xla)):
+        for f, t in zip(fns, ts):
             t0 = time.perf_counter()
             jax.block_until_ready(f(*args))
-            ts.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(ours), 1e3 * statistics.median(xla)
+            t.append(time.perf_counter() - t0)
+    return [1e3 * statistics.median(t) for t in ts]
+
+
+def compiled(f, args, env=None):
+    """f jitted and compiled now, with env (VAR, VALUE) set while it is lowered."""
+    var, value = env or (None, None)
+    old = os.environ.get(var) if var else None
+    if var:
+        os.environ[var] = value
+    try:
+        return jax.jit(f).lower(*args).compile()
+    finally:
+        if var and old is None:
+            del os.environ[var]
+        elif var:
+            os.environ[var] = old
 
 
 def main():
@@ -46,10 +65,13 @@ def main():
     p.add_argument("--acts", default=ACTS)
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--json")
+    p.add_argument("--ab", default="", help="NAME=VAR=VALUE: ours compiled with VAR=VALUE, as side NAME")
     args = p.parse_args()
+    ab = tuple(args.ab.split("=", 2)) if args.ab else None
     print(f"device: {jax.devices()[0]}  cpu: {platform.processor() or platform.machine()}  jax {jax.__version__}")
-    print("| M x K x N | dtype | act | mode | regemm ms | xla ms | speed-up (xla/regemm) |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    extra = f" {ab[0]} ms | speed-up ({ab[0]}) |" if ab else ""
+    print("| M x K x N | dtype | act | mode | regemm ms | xla ms | speed-up (xla/regemm) |" + extra)
+    print("| --- | --- | --- | --- | --- | --- | --- |" + " --- | --- |" * bool(ab))
     records = []
     for shape in args.shapes.split(","):
         m, k, n = map(int, shape.split("x"))
@@ -63,13 +85,21 @@ def main():
                 xla = lambda x, w, b: rg.reference.dense(x, w, b, act=act)
                 grad = lambda f: jax.grad(lambda x, w, b: jnp.sum(f(x, w, b).astype(jnp.float32) ** 2), (0, 1, 2))
                 for mode, fo, fx in (("fwd", ours, xla), ("fwd+bwd", grad(ours), grad(xla))):
-                    to, tx = paired_median_ms(jax.jit(fo), jax.jit(fx), (x, w, b), args.repeats)
-                    print(f"| {shape} | {dtype} | {act} | {mode} | {to:.3f} | {tx:.3f} | {tx / to:.2f} |", flush=True)
-                    records.append(dict(shape=shape, dtype=dtype, act=act, mode=mode, regemm_ms=to, xla_ms=tx,
-                                        speedup=tx / to))
-    sp = [r["speedup"] for r in records]
-    print(f"\nspeed-up: geo-mean {np.exp(np.mean(np.log(sp))):.2f}, min {min(sp):.2f}, max {max(sp):.2f}, "
-          f"cells below 1.0: {sum(s < 1.0 for s in sp)} of {len(sp)}")
+                    fns = [compiled(fo, (x, w, b)), compiled(fx, (x, w, b))]
+                    if ab:
+                        fns.append(compiled(fo, (x, w, b), ab[1:]))
+                    to, tx, *ta = paired_median_ms(fns, (x, w, b), args.repeats)
+                    rec = dict(shape=shape, dtype=dtype, act=act, mode=mode, regemm_ms=to, xla_ms=tx, speedup=tx / to)
+                    line = f"| {shape} | {dtype} | {act} | {mode} | {to:.3f} | {tx:.3f} | {tx / to:.2f} |"
+                    if ab:
+                        rec[ab[0]] = dict(env=f"{ab[1]}={ab[2]}", ms=ta[0], speedup=tx / ta[0])
+                        line += f" {ta[0]:.3f} | {tx / ta[0]:.2f} |"
+                    print(line, flush=True)
+                    records.append(rec)
+    for name, key in (("regemm", None),) + (((ab[0], ab[0]),) if ab else ()):
+        sp = [r["speedup"] if key is None else r[key]["speedup"] for r in records]
+        print(f"\n{name} speed-up: geo-mean {np.exp(np.mean(np.log(sp))):.2f}, min {min(sp):.2f}, max {max(sp):.2f}, "
+              f"cells below 1.0: {sum(s < 1.0 for s in sp)} of {len(sp)}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(device=str(jax.devices()[0]), jax=jax.__version__, records=records), f, indent=1)

@@ -137,13 +137,26 @@ def _xla_gemm(a, b, *, cfg):
     return [(cfg.alpha * mm(preferred_element_type=reference._acc_dtype(a.dtype))).astype(a.dtype)]
 
 
-def _fused_lower_cuda(*args, cfg):
-    if plain(cfg) and os.environ.get("REGEMM_PLAIN_GEMM", "xla") != "regemm":
-        return _xla_gemm(*args, cfg=cfg)
-    return _fused_lower(*args, cfg=cfg)
+# Where a plain GEMM runs XLA's own dot by default: the dtypes, per platform. On the CPU
+# none: oneDNN's bf16 and f16 GEMMs are several times faster than XLA's (which computes
+# them in f32), and in f32 the training layers measured the same either way
+# (benchmarks/results/cpu_plain_gemm.md).
+_XLA_PLAIN_GEMM_DTYPES = {"cuda": ("float32", "float64", "bfloat16", "float16"), "cpu": ()}
 
 
-mlir.register_lowering(_fused_p, mlir.lower_fun(_fused_lower_cuda, multiple_results=True), platform="cuda")
+def _fused_lowering(platform):
+    def lower(*args, cfg):
+        policy = os.environ.get("REGEMM_PLAIN_GEMM", "auto")  # auto | xla | regemm (A/B), read at lowering
+        on_xla = {"xla": True, "regemm": False}.get(policy, args[0].dtype.name in _XLA_PLAIN_GEMM_DTYPES[platform])
+        if plain(cfg) and on_xla:
+            return _xla_gemm(*args, cfg=cfg)
+        return _fused_lower(*args, cfg=cfg)
+
+    return mlir.lower_fun(lower, multiple_results=True)
+
+
+for _platform in _XLA_PLAIN_GEMM_DTYPES:
+    mlir.register_lowering(_fused_p, _fused_lowering(_platform), platform=_platform)
 
 
 def fused(cfg: Config, a, b, bias, c):

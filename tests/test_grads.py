@@ -412,6 +412,11 @@ def test_plain_gemms_are_xla_dots_on_cuda(rand, monkeypatch):
     monkeypatch.setenv("REGEMM_PLAIN_GEMM", "regemm")  # read at lowering: a new function, not a cached lowering
     text = _lowered_for_cuda(jax.grad(lambda *args: loss(*args), argnums=(0, 1, 2)), a, b, bias)
     assert len(_calls(text, rg._ffi.GEMM_TARGET)) == 3 and "stablehlo.dot_general" not in text
+    # REGEMM_PLAIN_GEMM=xla: XLA's dots on the CPU too (there the default is regemm's GEMM)
+    monkeypatch.setenv("REGEMM_PLAIN_GEMM", "xla")
+    fresh = jax.grad(lambda *args: loss(*args), argnums=(0, 1, 2))
+    text = jax.jit(fresh).trace(a, b, bias).lower(lowering_platforms=("cpu",)).as_text()
+    assert len(_calls(text, rg._ffi.GEMM_TARGET)) == 1 and text.count("stablehlo.dot_general") == 2, text
 
 
 def test_plain_gemm_on_xla_matches_the_reference(rand):
