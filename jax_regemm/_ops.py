@@ -74,6 +74,29 @@ def _primitive(name, ref, lower):
     return p
 
 
+# Which ops lower to XLA's own program instead of a regemm call, by default: per platform,
+# per op, the dtypes. "gemm" is a plain GEMM (nothing to fuse: the backward's dgrad and
+# wgrad), "dact" the backward epilogue (regemm_dact, and regemm_dgrad_dact as XLA's dot
+# and fusion). On the GPU XLA's GEMM is at least as fast and a cheaper launch
+# (benchmarks/results/h100_layers_plain_gemm.md, h100_train_floor.md). On the CPU
+# oneDNN's bf16 and f16 GEMMs are several times faster than XLA's, and in f32 the
+# layers measured the same either way (benchmarks/results/cpu_plain_gemm.md).
+_ON_XLA = {
+    "cuda": {"gemm": ("float32", "float64", "bfloat16", "float16"), "dact": ()},
+    "cpu": {"gemm": (), "dact": ()},
+}
+# Per op, the variable that overrides the table on every platform: "xla" or "regemm"
+# (A/B of a lowering choice; read when a program is lowered).
+_ON_XLA_VARIABLE = {"gemm": "REGEMM_PLAIN_GEMM", "dact": "REGEMM_DACT"}
+
+
+def _on_xla(op, platform, dtype):
+    forced = os.environ.get(_ON_XLA_VARIABLE[op], "auto")
+    if forced in ("xla", "regemm"):
+        return forced == "xla"
+    return dtype.name in _ON_XLA[platform][op]
+
+
 def _precision(cfg):
     return lax.Precision.HIGHEST if cfg.exact_f32 else None
 
@@ -137,25 +160,16 @@ def _xla_gemm(a, b, *, cfg):
     return [(cfg.alpha * mm(preferred_element_type=reference._acc_dtype(a.dtype))).astype(a.dtype)]
 
 
-# Where a plain GEMM runs XLA's own dot by default: the dtypes, per platform. On the CPU
-# none: oneDNN's bf16 and f16 GEMMs are several times faster than XLA's (which computes
-# them in f32), and in f32 the training layers measured the same either way
-# (benchmarks/results/cpu_plain_gemm.md).
-_XLA_PLAIN_GEMM_DTYPES = {"cuda": ("float32", "float64", "bfloat16", "float16"), "cpu": ()}
-
-
 def _fused_lowering(platform):
     def lower(*args, cfg):
-        policy = os.environ.get("REGEMM_PLAIN_GEMM", "auto")  # auto | xla | regemm (A/B), read at lowering
-        on_xla = {"xla": True, "regemm": False}.get(policy, args[0].dtype.name in _XLA_PLAIN_GEMM_DTYPES[platform])
-        if plain(cfg) and on_xla:
+        if plain(cfg) and _on_xla("gemm", platform, args[0].dtype):
             return _xla_gemm(*args, cfg=cfg)
         return _fused_lower(*args, cfg=cfg)
 
     return mlir.lower_fun(lower, multiple_results=True)
 
 
-for _platform in _XLA_PLAIN_GEMM_DTYPES:
+for _platform in _ON_XLA:
     mlir.register_lowering(_fused_p, _fused_lowering(_platform), platform=_platform)
 
 
@@ -410,6 +424,15 @@ def _epilogue_primitive(name, ref, lower):
     """A backward-epilogue primitive: derivatives from its reference (needed past first order
     only), vmap as one more leading batch dim (the kernels broadcast by stride)."""
     p = _primitive(name, ref, lower)
+
+    def lowering(platform):
+        def lower_on(*args, spec):
+            return (ref if _on_xla("dact", platform, args[0].dtype) else lower)(*args, spec=spec)
+
+        return mlir.lower_fun(lower_on, multiple_results=True)
+
+    for platform in _ON_XLA:
+        mlir.register_lowering(p, lowering(platform), platform=platform)
 
     def jvp(primals, tangents, *, spec):
         tangents = [ad.instantiate_zeros(t) for t in tangents]

@@ -419,6 +419,25 @@ def test_plain_gemms_are_xla_dots_on_cuda(rand, monkeypatch):
     assert len(_calls(text, rg._ffi.GEMM_TARGET)) == 1 and text.count("stablehlo.dot_general") == 2, text
 
 
+def test_dact_on_xla_by_variable(rand, monkeypatch):
+    """REGEMM_DACT=xla: the backward epilogue (dact, and rg.mlp's dgrad_dact) lowers to XLA's own
+    program on every platform, with the same gradients as the regemm calls (run here)."""
+    a, b, bias, _ = rand.operands(M, N, K, jnp.float32, bias_shape=(N,))
+    ws = [rand.normal((K, 24), jnp.float32, 0.3), rand.normal((24, N), jnp.float32, 0.3)]
+    bs = [rand.normal((24,), jnp.float32), rand.normal((N,), jnp.float32)]
+    layer = lambda a, b, bias: jnp.sum(jnp.sin(rg.gemm_bias_act(a, b, bias, act="gelu")))
+    block = lambda x, ws, bs: jnp.sum(jnp.sin(rg.mlp(x, ws, bs, act="silu", final_act="tanh")))
+    fns = [(lambda: jax.grad(layer, argnums=(0, 1, 2)), (a, b, bias)), (lambda: jax.grad(block, argnums=(0, 1, 2)), (a, ws, bs))]
+    want = [jax.jit(make())(*args) for make, args in fns]  # the default: regemm's calls on the CPU
+    monkeypatch.setenv("REGEMM_DACT", "xla")  # read at lowering: new functions below
+    for (make, args), w in zip(fns, want):
+        for platform in ("cpu", "cuda"):
+            text = jax.jit(make()).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+            assert not _calls(text, rg._ffi.DACT_TARGET) and not _calls(text, rg._ffi.DGRAD_DACT_TARGET), platform
+        for g, r in zip(jax.tree.leaves(jax.jit(make())(*args)), jax.tree.leaves(w)):
+            assert_rel(g, r, jnp.float32)
+
+
 def test_plain_gemm_on_xla_matches_the_reference(rand):
     """The dot the CUDA lowering emits for a plain GEMM (alpha, transposes, f32 and bf16), run here."""
     from jax_regemm import _ops
