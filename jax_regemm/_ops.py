@@ -18,9 +18,11 @@ Each primitive has a plain-JAX reference (`_fused_ref`, `_lin_ref`,
 varying axes) are the reference's, so the ops type as `jnp` does, and the
 derivatives past first order run on it. The FFI calls appear only at
 lowering, behind their partitioning rules (_partition.py), so jit over a mesh
-keeps the work local. On the GPU a plain GEMM (nothing to fuse: the
-backward's dgrad and wgrad) lowers to XLA's own dot instead (`plain`). The ops' vmap rules add a leading batch dim (the
-kernels broadcast by stride), folding a batch of A against a shared B into M.
+keeps the work local, except where one table (`_ON_XLA`) says XLA's own
+program is as fast: on the GPU a plain GEMM (nothing to fuse: the backward's
+dgrad and wgrad) lowers to XLA's dot. The ops' vmap rules add a leading batch
+dim (the kernels broadcast by stride), folding a batch of A against a shared B
+into M.
 """
 
 from __future__ import annotations
@@ -97,6 +99,16 @@ def _on_xla(op, platform, dtype):
     return dtype.name in _ON_XLA[platform][op]
 
 
+def _lower_per_platform(p, pick):
+    """p's lowering on each platform of _ON_XLA: that of the function
+    pick(platform, *operands, **params) returns for the call (its reference or the FFI call)."""
+    for platform in _ON_XLA:
+        def lower(*args, _platform=platform, **params):
+            return pick(_platform, *args, **params)(*args, **params)
+
+        mlir.register_lowering(p, mlir.lower_fun(lower, multiple_results=True), platform=platform)
+
+
 def _precision(cfg):
     return lax.Precision.HIGHEST if cfg.exact_f32 else None
 
@@ -148,10 +160,9 @@ def plain(cfg):
 
 
 def _xla_gemm(a, b, *, cfg):
-    """A plain GEMM as XLA's own dot. On the GPU nothing is left to fuse into it, and
-    XLA's GEMM is at least as fast: its autotuned cuBLAS/Triton choice (split-K
-    for the narrow wgrad GEMMs of deep narrow MLPs, small and unaligned shapes), a
-    cheaper launch than a custom call, and a node XLA can fuse and schedule around."""
+    """A plain GEMM as XLA's own dot: XLA's autotuned GEMM (split-K for the narrow
+    wgrads of deep narrow MLPs), a cheaper launch than a custom call, and a node XLA
+    can fuse and schedule around."""
     precision = lax.Precision.HIGHEST if cfg.exact_f32 else lax.Precision.DEFAULT
     mm = partial(jnp.matmul, _op(a, cfg.trans_a), _op(b, cfg.trans_b), precision=precision,
                  out_sharding=cfg.out_sharding)  # fmt: skip
@@ -160,17 +171,11 @@ def _xla_gemm(a, b, *, cfg):
     return [(cfg.alpha * mm(preferred_element_type=reference._acc_dtype(a.dtype))).astype(a.dtype)]
 
 
-def _fused_lowering(platform):
-    def lower(*args, cfg):
-        if plain(cfg) and _on_xla("gemm", platform, args[0].dtype):
-            return _xla_gemm(*args, cfg=cfg)
-        return _fused_lower(*args, cfg=cfg)
-
-    return mlir.lower_fun(lower, multiple_results=True)
+def _pick_fused(platform, a, *rest, cfg):
+    return _xla_gemm if plain(cfg) and _on_xla("gemm", platform, a.dtype) else _fused_lower
 
 
-for _platform in _ON_XLA:
-    mlir.register_lowering(_fused_p, _fused_lowering(_platform), platform=_platform)
+_lower_per_platform(_fused_p, _pick_fused)
 
 
 def fused(cfg: Config, a, b, bias, c):
@@ -425,14 +430,7 @@ def _epilogue_primitive(name, ref, lower):
     only), vmap as one more leading batch dim (the kernels broadcast by stride)."""
     p = _primitive(name, ref, lower)
 
-    def lowering(platform):
-        def lower_on(*args, spec):
-            return (ref if _on_xla("dact", platform, args[0].dtype) else lower)(*args, spec=spec)
-
-        return mlir.lower_fun(lower_on, multiple_results=True)
-
-    for platform in _ON_XLA:
-        mlir.register_lowering(p, lowering(platform), platform=platform)
+    _lower_per_platform(p, lambda platform, x, *rest, spec: ref if _on_xla("dact", platform, x.dtype) else lower)
 
     def jvp(primals, tangents, *, spec):
         tangents = [ad.instantiate_zeros(t) for t in tangents]
