@@ -10,6 +10,10 @@ Input: a list of records {"kind": "layer"|"mlp", "m", "k", "n", "depth" (mlp onl
   grouped by shape (> 1: jax_regemm is faster than XLA's own act(x @ w + b)).
 - vs_matmul_<kind>_<dtype>_<mode>.png: time / matmul_ms for jax_regemm and for
   XLA side by side (1 = the epilogue is free: as fast as the bare GEMM).
+
+Training steps (bench_train.py's records: "shape" [rows, width, layers], "dtype", "act",
+"xla_ms", "regemm_ms", "floor_ms") give one figure, train_vs_floor.png: each step's time
+over its floor (the same step with no bias and no activation), XLA's and ours.
 """
 
 from __future__ import annotations
@@ -77,6 +81,27 @@ def plot_group(records, title, out_dir, stem):
     return written
 
 
+def plot_train(records, out_dir):
+    """Step time / floor time per training step, XLA's and ours, with the 1.05 target."""
+    labels = [f"{'x'.join(map(str, r['shape']))} {r['dtype']} {r['act']}" for r in records]
+    x = np.arange(len(records))
+    fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(records) + 2), 4))
+    for i, (who, name) in enumerate((("xla", "XLA"), ("regemm", "jax_regemm"))):
+        ax.bar(x + (i - 0.5) * 0.4, [r[f"{who}_ms"] / r["floor_ms"] for r in records], 0.4, label=name)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.axhline(1.05, color="gray", linewidth=0.8, linestyle="--", label="target 1.05")
+    ax.set_xticks(x, labels, rotation=30, ha="right")
+    ax.set_ylabel("step time / floor time (device)")
+    ax.set_title("training steps against their floor (GEMMs, loss and AdamW only)")
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    path = out_dir / "train_vs_floor.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return [path]
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("results", type=pathlib.Path, help="benchmark JSON (a list of records)")
@@ -88,6 +113,10 @@ def main(argv=None):
     if not isinstance(records, list) or not records:
         raise SystemExit(f"{args.results}: expected a non-empty JSON list of records")
     args.out.mkdir(parents=True, exist_ok=True)
+    if "floor_ms" in records[0]:  # bench_train.py's training steps
+        written = plot_train(records, args.out)
+        print(*written, sep="\n")
+        return written
 
     groups = defaultdict(list)
     for r in records:
