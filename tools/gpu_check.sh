@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Device check of the CUDA backend. Run on the GPU machine from the repository
-# root; needs no network. In one go (8 minutes on an H100 with the CUTLASS
+# root; needs no network. In one go (9-10 minutes on an H100 with the CUTLASS
 # kernel objects prebuilt, ffi/cuda/cutlass_prebuild.sh, and build/ left by a
 # build just before on the same machine: the package's build directory is
-# kept, so the check's own build is incremental, 37 s against 122 s):
+# kept, so the check's own build is incremental, 37 s against 103-122 s), or in
+# two calls (GPU_CHECK_PARTS below):
 #   1. builds and installs the package with the CUDA extension (REGEMM_CUDA=ON),
 #   2. runs the whole test suite on the GPU,
 #   3. then, one process at a time, runs compute-sanitizer's memcheck,
@@ -31,8 +32,14 @@
 # kernels and on others' (both must be 0) and on XLA's own device-to-device
 # copies (host API calls, not ours).
 # The exit status is 0 only if every part ran and passed. GPU_CHECK_PARTS=tests
-# or =sanitizers runs one part (a developer's shortcut: the summary says the
-# other did not run, and the exit status is 2 even if the part passed).
+# or =sanitizers runs one part (the summary says the other did not run, and the
+# exit status is 2 even if the part passed). The whole check needs more than one
+# 10-minute call (tests about 350 s, sanitizers 140-210 s), so it also runs as two
+# calls on one machine: GPU_CHECK_PARTS=tests, then =sanitizers. The tests part
+# records its result under build/ (kept between calls) for the tree it ran on
+# (a hash of the sources, not the commit: the device's .git may be older than the
+# tree); the sanitizers part, on the same tree, reports both and exits 0 only if
+# both passed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu_check_out}"
@@ -42,6 +49,9 @@ BUDGET="${GPU_CHECK_BUDGET:-580}"  # seconds for the whole check
 SAN_S="${GPU_CHECK_SANITIZER_S:-150}"  # seconds kept for the sanitizers (they took 103-108 s)
 PARTS="${GPU_CHECK_PARTS:-all}"
 [ "$PARTS" = tests ] && SAN_S=0  # the tests part keeps nothing back for the sanitizers
+PARTS_DIR="${GPU_CHECK_PARTS_DIR:-build/gpu_check_parts}"
+TREE="$(find CMakeLists.txt pyproject.toml ffi jax_regemm tests tools examples -type f -not -path '*/__pycache__/*' \
+  | LC_ALL=C sort | xargs sha256sum | sha256sum | cut -c1-16)"
 export PYTHONUNBUFFERED=1 REGEMM_CUDA=ON
 export CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-16}"
 t0=$SECONDS
@@ -231,14 +241,28 @@ fi
 
 tests_line="$(grep -E ' in [0-9.]+s' "$OUT/pytest.log" 2>/dev/null | head -1)"
 big_line="$(grep -E ' in [0-9.]+s' "$OUT/pytest.log" 2>/dev/null | sed -n 2p)"
+# Two calls: the tests part leaves its result for the sanitizers part on the same tree.
+prior="$PARTS_DIR/tests_$TREE.txt"
+if [ "$PARTS" = tests ] && [ $build_rc -eq 0 ]; then
+  mkdir -p "$PARTS_DIR"
+  printf '%s\n' "$test_rc" "$big_rc" "$tests_line" "$big_line" "$test_s" >"$prior"
+fi
+prior_ok=0
+if [ "$PARTS" = sanitizers ] && [ -f "$prior" ]; then
+  { read -r test_rc; read -r big_rc; read -r tests_line; read -r big_line; read -r test_s; } <"$prior"
+  [ "$test_rc" = 0 ] && [ "$big_rc" = 0 ] && prior_ok=1
+fi
 {
   echo "===== gpu_check summary ====="
   # GPU_CHECK_COMMIT: the commit the tree was sent from, where .git did not travel with it.
-  echo "commit: ${GPU_CHECK_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --quiet HEAD -- ffi tools tests jax_regemm 2>/dev/null || echo ' (with uncommitted changes)')}"
+  echo "commit: ${GPU_CHECK_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --quiet HEAD -- ffi tools tests jax_regemm 2>/dev/null || echo ' (with uncommitted changes)')} (tree $TREE)"
   echo "device: $(head -2 "$OUT/env.log" | tail -1)"
   echo "build: $([ $build_rc -eq 0 ] && echo ok || echo "FAILED (rc=$build_rc, see build.log)") in ${build_s}s"
-  if [ "$PARTS" = sanitizers ]; then
-    echo "tests: not run (GPU_CHECK_PARTS=sanitizers)"
+  if [ "$PARTS" = sanitizers ] && [ -f "$prior" ]; then
+    echo "tests (GPU_CHECK_PARTS=tests, the call before on this machine, the same tree): ${tests_line:-no result} (rc=$test_rc)"
+    echo "tests, >2^31 elements alone: ${big_line:-no result} (rc=$big_rc); tests took ${test_s}s"
+  elif [ "$PARTS" = sanitizers ]; then
+    echo "tests: not run (GPU_CHECK_PARTS=sanitizers, and no tests part of this tree before it)"
   else
     echo "tests: ${tests_line:-no result} (rc=$test_rc)"
     echo "tests, >2^31 elements alone: ${big_line:-no result} (rc=$big_rc); tests took ${test_s}s"
@@ -263,5 +287,8 @@ if [ "$PARTS" = all ]; then
   exit 1
 fi
 [ "$PARTS" = tests ] && [ $test_rc -eq 0 ] && [ $big_rc -eq 0 ] && exit 2
-[ "$PARTS" = sanitizers ] && [ $san_on -eq 1 ] && [ $san_bad -eq 0 ] && exit 2
+if [ "$PARTS" = sanitizers ] && [ $san_on -eq 1 ] && [ $san_bad -eq 0 ]; then
+  [ $prior_ok -eq 1 ] && exit 0  # the tests part of this tree passed too: the whole check
+  exit 2
+fi
 exit 1
