@@ -20,7 +20,8 @@ derivatives past first order run on it. The FFI calls appear only at
 lowering, behind their partitioning rules (_partition.py), so jit over a mesh
 keeps the work local, except where one table (`_ON_XLA`) says XLA's own
 program is as fast: on the GPU a plain GEMM (nothing to fuse: the backward's
-dgrad and wgrad) lowers to XLA's dot. The ops' vmap rules add a leading batch
+dgrad and wgrad) lowers to XLA's dot, and an op whose rows are not whole
+16-byte vectors to its reference, which XLA pads. The ops' vmap rules add a leading batch
 dim (the kernels broadcast by stride), folding a batch of A against a shared B
 into M.
 """
@@ -79,17 +80,24 @@ def _primitive(name, ref, lower):
 # Which ops lower to XLA's own program instead of a regemm call, by default: per platform,
 # per op, the dtypes. "gemm" is a plain GEMM (nothing to fuse: the backward's dgrad and
 # wgrad), "dact" the backward epilogue (regemm_dact, and regemm_dgrad_dact as XLA's dot
-# and fusion). On the GPU XLA's GEMM is at least as fast and a cheaper launch
-# (benchmarks/results/h100_layers_plain_gemm.md, h100_train_floor.md). On the CPU
-# oneDNN's bf16 and f16 GEMMs are several times faster than XLA's, and in f32 the
-# layers measured the same either way (benchmarks/results/cpu_plain_gemm.md).
+# and fusion), "unaligned" any of the ops whose operand rows are not whole 16-byte
+# vectors (_rows_aligned). On the GPU XLA's GEMM is at least as fast and a cheaper launch
+# (benchmarks/results/h100_layers_plain_gemm.md, h100_train_floor.md); XLA pads an
+# unaligned GEMM where regemm's TMA and vector kernels cannot run and its fallbacks (the
+# SIMT GEMM, cuBLASLt's unaligned paths, the scalar dact) ran at 0.47-0.66 of XLA's speed
+# (h100_unaligned.md); the backward epilogue stays regemm's: on XLA, whole training steps
+# ran 0.98x of XLA's speed against 1.13x (h100_train_dact_xla.md). On the CPU oneDNN's
+# bf16 and f16 GEMMs are several times faster than XLA's, and in f32 the layers measured
+# the same either way (benchmarks/results/cpu_plain_gemm.md).
+_GPU_DTYPES = ("float32", "bfloat16", "float16")
 _ON_XLA = {
-    "cuda": {"gemm": ("float32", "float64", "bfloat16", "float16"), "dact": ()},
-    "cpu": {"gemm": (), "dact": ()},
+    "cuda": {"gemm": _GPU_DTYPES + ("float64",), "dact": (), "unaligned": _GPU_DTYPES},
+    "cpu": {"gemm": (), "dact": (), "unaligned": ()},
 }
 # Per op, the variable that overrides the table on every platform: "xla" or "regemm"
-# (A/B of a lowering choice; read when a program is lowered).
-_ON_XLA_VARIABLE = {"gemm": "REGEMM_PLAIN_GEMM", "dact": "REGEMM_DACT"}
+# (A/B of a lowering choice, and tests of the kernels at odd sizes; read when a program
+# is lowered).
+_ON_XLA_VARIABLE = {"gemm": "REGEMM_PLAIN_GEMM", "dact": "REGEMM_DACT", "unaligned": "REGEMM_UNALIGNED"}
 
 
 def _on_xla(op, platform, dtype):
@@ -97,6 +105,13 @@ def _on_xla(op, platform, dtype):
     if forced in ("xla", "regemm"):
         return forced == "xla"
     return dtype.name in _ON_XLA[platform][op]
+
+
+def _rows_aligned(dtype, *row_lengths):
+    """Every row of these lengths (elements) a whole number of 16-byte vectors: what the GPU
+    kernels' TMA descriptors and vector loads need (ffi/cuda/cutlass_dispatch.cu, dact.cu)."""
+    per_vector = max(16 // dtype.itemsize, 1)
+    return all(n % per_vector == 0 for n in row_lengths)
 
 
 def _lower_per_platform(p, pick):
@@ -171,8 +186,14 @@ def _xla_gemm(a, b, *, cfg):
     return [(cfg.alpha * mm(preferred_element_type=reference._acc_dtype(a.dtype))).astype(a.dtype)]
 
 
-def _pick_fused(platform, a, *rest, cfg):
-    return _xla_gemm if plain(cfg) and _on_xla("gemm", platform, a.dtype) else _fused_lower
+def _pick_fused(platform, a, b, *rest, cfg):
+    if plain(cfg) and _on_xla("gemm", platform, a.dtype):
+        return _xla_gemm
+    n = b.shape[-2] if cfg.trans_b else b.shape[-1]
+    rows = (a.shape[-1], b.shape[-1], n) + tuple(cfg.c_shape[-1:])  # as stored: A, B, Y and Z, C
+    if not _rows_aligned(a.dtype, *rows) and _on_xla("unaligned", platform, a.dtype):
+        return _fused_ref
+    return _fused_lower
 
 
 _lower_per_platform(_fused_p, _pick_fused)
@@ -430,7 +451,14 @@ def _epilogue_primitive(name, ref, lower):
     only), vmap as one more leading batch dim (the kernels broadcast by stride)."""
     p = _primitive(name, ref, lower)
 
-    _lower_per_platform(p, lambda platform, x, *rest, spec: ref if _on_xla("dact", platform, x.dtype) else lower)
+    def pick(platform, *args, spec):
+        dtype = args[0].dtype
+        if _on_xla("dact", platform, dtype):
+            return ref
+        unaligned = not _rows_aligned(dtype, *(x.shape[-1] for x in args))  # gY and S; or A, B and S
+        return ref if unaligned and _on_xla("unaligned", platform, dtype) else lower
+
+    _lower_per_platform(p, pick)
 
     def jvp(primals, tangents, *, spec):
         tangents = [ad.instantiate_zeros(t) for t in tangents]

@@ -35,6 +35,12 @@ def on_cpu() -> bool:
     return jax.default_backend() == "cpu"
 
 
+# The suite's odd sizes (3, 5, 7, 33, ...) run on regemm's kernels on the GPU too: by
+# default an op whose rows are not whole 16-byte vectors lowers to XLA's own program
+# there (jax_regemm._ops._ON_XLA, "unaligned"), which would leave the kernels' odd-size
+# paths untested. test_grads' cross-lowering tests and test_gpu's check the default.
+os.environ.setdefault("REGEMM_UNALIGNED", "regemm")
+
 # A plain GEMM (alpha op(A) op(B): the backward's dgrad and wgrad GEMMs) is a
 # regemm call on the CPU and XLA's own dot on the GPU (jax_regemm._ops.plain):
 # the regemm calls a program has per plain GEMM in it.

@@ -403,6 +403,29 @@ def test_zero_and_one_sizes(m, n, k, kind):
             assert rel(g, w) < 1e-5, rel(g, w)
 
 
+@pytest.mark.parametrize("mode", ("bf16", "f32"))
+def test_unaligned_default_runs_xla_program(mode, monkeypatch):
+    """By default an op whose rows are not whole 16-byte vectors (K = 999, N = 1001) lowers to XLA's
+    own program on the GPU (the suite sets REGEMM_UNALIGNED=regemm for the kernels): no regemm call,
+    and the forward, Z and the gradients within the dtype's tolerance of the float64 reference."""
+    monkeypatch.delenv("REGEMM_UNALIGNED", raising=False)  # read at lowering
+    dtype, precision, tol = MODES[mode]
+    r = Rand(5)
+    a, b, bias, c = operands(r, 200, 1001, 999, dtype, trans_a=False, trans_b=False, kind="per_col", with_c=False)
+    ours = lambda a, b, bias: rg.gemm_bias_act(a, b, bias, act="gelu", precision=precision, save="z")
+    text = jax.jit(jax.grad(lambda *x: jnp.sum(ours(*x) ** 2), argnums=(0, 1, 2))).lower(a, b, bias).as_text()
+    assert "regemm_" not in text, text
+    y, z = rg.gemm_bias_act_fwd(a, b, bias, act="gelu", precision=precision, return_z=True)
+    y_ref, z_ref = reference(a, b, bias, None, kind="per_col", act="gelu")
+    assert rel(y, y_ref) < tol and rel(z, z_ref) < tol, (rel(y, y_ref), rel(z, z_ref))
+    loss = lambda f: (lambda a, b, bias: jnp.sum(jnp.sin(f(a, b, bias))))
+    got = jax.jit(jax.grad(loss(ours), argnums=(0, 1, 2)))(a, b, bias)
+    theirs = lambda a, b, bias: ref.gemm_bias_act(a, b, bias, act="gelu", precision=lax.Precision.HIGHEST)
+    want = jax.grad(loss(theirs), argnums=(0, 1, 2))(up(a), up(b), up(bias))
+    for g, w in zip(got, want):
+        assert g.dtype == dtype and rel(g, w) < tol, rel(g, w)
+
+
 # ---------------------------------------------------------------------------
 # determinism, 64-bit indexing
 # ---------------------------------------------------------------------------

@@ -438,6 +438,45 @@ def test_dact_on_xla_by_variable(rand, monkeypatch):
             assert_rel(g, r, jnp.float32)
 
 
+def test_unaligned_ops_are_xla_programs_on_cuda(rand, monkeypatch):
+    """On the GPU an op whose rows are not whole 16-byte vectors lowers to its reference, which
+    XLA pads: no regemm call in the layer's forward or backward, nor in rg.mlp's, while an aligned
+    layer keeps its calls. REGEMM_UNALIGNED=xla does the same on the CPU, with the gradients of
+    the regemm calls (both run here); =regemm (the suite's setting) keeps every call."""
+    monkeypatch.delenv("REGEMM_UNALIGNED", raising=False)  # the default, read at lowering
+    layer = lambda a, b, bias: jnp.sum(jnp.sin(rg.gemm_bias_act(a, b, bias, act="gelu")))
+    block = lambda x, ws, bs: jnp.sum(jnp.sin(rg.mlp(x, ws, bs, act="silu", final_act="tanh")))
+    grad = lambda f: jax.grad(lambda *args: f(*args), argnums=(0, 1, 2))  # a new function: a new lowering
+    regemm_calls = lambda text: sum(len(_calls(text, t)) for t in (rg._ffi.GEMM_TARGET, rg._ffi.DACT_TARGET,
+                                                                   rg._ffi.DGRAD_DACT_TARGET))  # fmt: skip
+    for dt, (m, n, k) in ((jnp.float32, (M, N, K)), (jnp.bfloat16, (16, 12, 16))):  # rows of N: unaligned
+        a, b, bias, _ = rand.operands(m, n, k, dt, bias_shape=(n,))
+        text = _lowered_for_cuda(grad(layer), a, b, bias)
+        assert regemm_calls(text) == 0 and text.count("stablehlo.dot_general") == 3, (dt, m, n, k, text)
+    a, b, bias, _ = rand.operands(16, 16, 12, jnp.bfloat16, bias_shape=(16,))  # rows of K only: the dact's are whole
+    text = _lowered_for_cuda(grad(layer), a, b, bias)
+    assert not _calls(text, rg._ffi.GEMM_TARGET) and len(_calls(text, rg._ffi.DACT_TARGET)) == 1, text
+    a, b, bias, _ = rand.operands(3, 8, 4, jnp.float32, bias_shape=(8,))  # f32 rows of 4 and 8: aligned
+    text = _lowered_for_cuda(grad(layer), a, b, bias)
+    assert len(_calls(text, rg._ffi.GEMM_TARGET)) == 1 and len(_calls(text, rg._ffi.DACT_TARGET)) == 1, text
+    x = rand.normal((M, K), jnp.float32)
+    ws = [rand.normal((K, 6), jnp.float32, 0.3), rand.normal((6, N), jnp.float32, 0.3)]  # rows of 6 and 5
+    bs = [rand.normal((6,), jnp.float32), rand.normal((N,), jnp.float32)]
+    assert regemm_calls(_lowered_for_cuda(grad(block), x, ws, bs)) == 0
+    fns = [(layer, (*rand.operands(M, N, K, jnp.float32, bias_shape=(N,))[:3],)), (block, (x, ws, bs))]
+    want = [jax.jit(grad(f))(*args) for f, args in fns]  # regemm's calls on the CPU
+    monkeypatch.setenv("REGEMM_UNALIGNED", "xla")
+    for (f, args), w in zip(fns, want):
+        g = grad(f)
+        assert regemm_calls(jax.jit(g).trace(*args).lower(lowering_platforms=("cpu",)).as_text()) == 0
+        for got, r in zip(jax.tree.leaves(jax.jit(g)(*args)), jax.tree.leaves(w)):
+            assert_rel(got, r, jnp.float32)
+    monkeypatch.setenv("REGEMM_UNALIGNED", "regemm")
+    a, b, bias, _ = rand.operands(M, N, K, jnp.float32, bias_shape=(N,))
+    text = _lowered_for_cuda(grad(layer), a, b, bias)
+    assert len(_calls(text, rg._ffi.GEMM_TARGET)) == 1 and len(_calls(text, rg._ffi.DACT_TARGET)) == 1, text
+
+
 def test_plain_gemm_on_xla_matches_the_reference(rand):
     """The dot the CUDA lowering emits for a plain GEMM (alpha, transposes, f32 and bf16), run here."""
     from jax_regemm import _ops

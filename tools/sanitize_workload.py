@@ -45,6 +45,8 @@ os.environ.setdefault("REGEMM_TUNE_REPS", "1")
 # Plain GEMMs (act none, no bias, no C) on regemm's kernels, not XLA's dot: this
 # workload is there to run every kernel of the backend.
 os.environ.setdefault("REGEMM_PLAIN_GEMM", "regemm")
+# And the odd sizes on the kernels' unaligned paths, not XLA's padded GEMM.
+os.environ.setdefault("REGEMM_UNALIGNED", "regemm")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
