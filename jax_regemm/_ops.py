@@ -21,7 +21,7 @@ lowering, behind their partitioning rules (_partition.py), so jit over a mesh
 keeps the work local, except where one table (`_ON_XLA`) says XLA's own
 program is as fast: on the GPU a plain GEMM (nothing to fuse: the backward's
 dgrad and wgrad) lowers to XLA's dot, and an op whose rows are not whole
-16-byte vectors to its reference, which XLA pads. The ops' vmap rules add a leading batch
+16-byte vectors to plain JAX, whose GEMM XLA pads. The ops' vmap rules add a leading batch
 dim (the kernels broadcast by stride), folding a batch of A against a shared B
 into M.
 """
@@ -186,13 +186,24 @@ def _xla_gemm(a, b, *, cfg):
     return [(cfg.alpha * mm(preferred_element_type=reference._acc_dtype(a.dtype))).astype(a.dtype)]
 
 
+def _xla_fused(*args, cfg):
+    """The fused op as the program a user writes: the product in a's dtype (_xla_gemm), then
+    the epilogue in it, which XLA fuses into its own GEMM where it can (a bias, relu, gelu).
+    The lowering where regemm's kernels cannot run fast: rows that are not whole 16-byte vectors."""
+    a, b, bias, c = _split(cfg, args)
+    (z,) = _xla_gemm(a, b, cfg=cfg)
+    y, z = _partition.epilogue(z, bias, c, act=cfg.act, slope=cfg.slope, beta=cfg.beta, bias_kind=cfg.bias_kind,
+                               dtype=a.dtype)  # fmt: skip
+    return [y, z] if cfg.return_z else [y]
+
+
 def _pick_fused(platform, a, b, *rest, cfg):
     if plain(cfg) and _on_xla("gemm", platform, a.dtype):
         return _xla_gemm
     n = b.shape[-2] if cfg.trans_b else b.shape[-1]
     rows = (a.shape[-1], b.shape[-1], n) + tuple(cfg.c_shape[-1:])  # as stored: A, B, Y and Z, C
     if not _rows_aligned(a.dtype, *rows) and _on_xla("unaligned", platform, a.dtype):
-        return _fused_ref
+        return _xla_fused
     return _fused_lower
 
 
