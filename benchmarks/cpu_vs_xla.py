@@ -3,7 +3,10 @@
 For each shape (M x K x N), dtype and activation: the jitted forward, and the
 jitted forward+backward (grad of sum(y**2) with respect to x, w and b). Our
 runs and XLA's alternate, so both see the same machine state; the figure is
-the median wall time (on the CPU the call blocks until the result is ready).
+the median wall time (on the CPU the call blocks until the result is ready),
+per call; --block N times N calls of one side back to back per sample (the
+steady state of a loop of one program, against each call following the
+other side's).
 --ab NAME=VAR=VALUE adds a side: ours compiled with the environment variable VAR
 set to VALUE (an A/B of a lowering choice in the same process).
 
@@ -29,8 +32,9 @@ import jax_regemm as rg
 ACTS = "none,relu,leaky_relu,gelu,gelu_erf,sigmoid,tanh,silu"
 
 
-def paired_median_ms(fns, args, repeats):
-    """Median ms of each of fns on args, their runs alternating."""
+def paired_median_ms(fns, args, repeats, block=1):
+    """Median ms per call of each of fns on args, their runs alternating: each sample is
+    `block` calls of one function back to back (1: every call follows the other side's)."""
     for _ in range(3):
         for f in fns:
             jax.block_until_ready(f(*args))
@@ -38,8 +42,9 @@ def paired_median_ms(fns, args, repeats):
     for _ in range(repeats):
         for f, t in zip(fns, ts):
             t0 = time.perf_counter()
-            jax.block_until_ready(f(*args))
-            t.append(time.perf_counter() - t0)
+            for _ in range(block):
+                jax.block_until_ready(f(*args))
+            t.append((time.perf_counter() - t0) / block)
     return [1e3 * statistics.median(t) for t in ts]
 
 
@@ -64,6 +69,8 @@ def main():
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--acts", default=ACTS)
     p.add_argument("--repeats", type=int, default=15)
+    p.add_argument("--block", type=int, default=1,
+                   help="calls of one side back to back per timed sample (1: the sides alternate call by call)")
     p.add_argument("--json")
     p.add_argument("--ab", default="", help="NAME=VAR=VALUE: ours compiled with VAR=VALUE, as side NAME")
     args = p.parse_args()
@@ -88,7 +95,7 @@ def main():
                     fns = [compiled(fo, (x, w, b)), compiled(fx, (x, w, b))]
                     if ab:
                         fns.append(compiled(fo, (x, w, b), ab[1:]))
-                    to, tx, *ta = paired_median_ms(fns, (x, w, b), args.repeats)
+                    to, tx, *ta = paired_median_ms(fns, (x, w, b), args.repeats, args.block)
                     rec = dict(shape=shape, dtype=dtype, act=act, mode=mode, regemm_ms=to, xla_ms=tx, speedup=tx / to)
                     line = f"| {shape} | {dtype} | {act} | {mode} | {to:.3f} | {tx:.3f} | {tx / to:.2f} |"
                     if ab:
@@ -102,7 +109,8 @@ def main():
               f"cells below 1.0: {sum(s < 1.0 for s in sp)} of {len(sp)}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(device=str(jax.devices()[0]), jax=jax.__version__, records=records), f, indent=1)
+            json.dump(dict(device=str(jax.devices()[0]), jax=jax.__version__, block=args.block, records=records), f,
+                      indent=1)
 
 
 if __name__ == "__main__":
