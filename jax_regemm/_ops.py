@@ -81,14 +81,14 @@ def _primitive(name, ref, lower):
 # per op, the dtypes. "gemm" is a plain GEMM (nothing to fuse: the backward's dgrad and
 # wgrad), "dact" the backward epilogue (regemm_dact, and regemm_dgrad_dact as XLA's dot
 # and fusion), "unaligned" any of the ops whose operand rows are not whole 16-byte
-# vectors (_rows_aligned). On the GPU XLA's GEMM is at least as fast and a cheaper launch
-# (benchmarks/results/h100_layers_plain_gemm.md, h100_train_floor.md); XLA pads an
-# unaligned GEMM where regemm's TMA and vector kernels cannot run and its fallbacks (the
-# SIMT GEMM, cuBLASLt's unaligned paths, the scalar dact) ran at 0.47-0.66 of XLA's speed
-# (h100_unaligned.md); the backward epilogue stays regemm's: on XLA, whole training steps
-# ran 0.98x of XLA's speed against 1.13x (h100_train_dact_xla.md). On the CPU oneDNN's
-# bf16 and f16 GEMMs are several times faster than XLA's, and in f32 the layers measured
-# the same either way (benchmarks/results/cpu_plain_gemm.md).
+# vectors (_rows_aligned). Measured on the H100 (benchmarks/results/): XLA's GEMM is at
+# least as fast and a cheaper launch (h100_layers_plain_gemm.md, h100_train_floor.md);
+# XLA pads an unaligned GEMM, where regemm's TMA and vector kernels cannot run and its
+# fallbacks (the SIMT GEMM, cuBLASLt's unaligned paths, the scalar dact) ran at 0.47-0.86
+# of XLA's speed (h100_unaligned.md); the backward epilogue stays regemm's: on XLA, whole
+# training steps ran 0.98x of XLA's speed against 1.13x (h100_train_dact_xla.md). On the
+# CPU oneDNN's bf16 and f16 GEMMs are several times faster than XLA's, and in f32 the
+# layers measured the same either way (cpu_plain_gemm.md).
 _GPU_DTYPES = ("float32", "bfloat16", "float16")
 _ON_XLA = {
     "cuda": {"gemm": _GPU_DTYPES + ("float64",), "dact": (), "unaligned": _GPU_DTYPES},
