@@ -81,7 +81,7 @@ def _primitive(name, ref, lower):
 # per op, the dtypes. "gemm" is a plain GEMM (nothing to fuse: the backward's dgrad and
 # wgrad), "dact" the backward epilogue (regemm_dact, and regemm_dgrad_dact as XLA's dot
 # and fusion), "unaligned" any of the ops whose operand rows are not whole 16-byte
-# vectors (_rows_aligned). Measured on the H100 (benchmarks/results/): XLA's GEMM is at
+# vectors (_unaligned_on_xla). Measured on the H100 (benchmarks/results/): XLA's GEMM is at
 # least as fast and a cheaper launch (h100_layers_plain_gemm.md, h100_train_floor.md);
 # XLA pads an unaligned GEMM, where regemm's TMA and vector kernels cannot run and its
 # fallbacks (the SIMT GEMM, cuBLASLt's unaligned paths, the scalar dact) ran at 0.47-0.86
@@ -107,11 +107,12 @@ def _on_xla(op, platform, dtype):
     return dtype.name in _ON_XLA[platform][op]
 
 
-def _rows_aligned(dtype, *row_lengths):
-    """Every row of these lengths (elements) a whole number of 16-byte vectors: what the GPU
-    kernels' TMA descriptors and vector loads need (ffi/cuda/cutlass_dispatch.cu, dact.cu)."""
+def _unaligned_on_xla(platform, dtype, *row_lengths):
+    """Whether an op with rows of these lengths (elements, as stored) lowers to XLA's own
+    program for being unaligned: some row is not a whole number of 16-byte vectors, which
+    the GPU kernels' TMA descriptors and vector loads need (ffi/cuda/cutlass_dispatch.cu, dact.cu)."""
     per_vector = max(16 // dtype.itemsize, 1)
-    return all(n % per_vector == 0 for n in row_lengths)
+    return any(n % per_vector for n in row_lengths) and _on_xla("unaligned", platform, dtype)
 
 
 def _lower_per_platform(p, pick):
@@ -152,8 +153,13 @@ def _fused_ref(*args, cfg):
         _op(a, cfg.trans_a), _op(b, cfg.trans_b), precision=_precision(cfg), preferred_element_type=acc,
         out_sharding=cfg.out_sharding,
     )  # fmt: skip
+    return _fused_outputs(cfg, z, bias, c, a.dtype)
+
+
+def _fused_outputs(cfg, z, bias, c, dtype):
+    """[Y] or [Y, Z] (cfg.return_z) in `dtype` from the product z: the epilogue in z's type."""
     y, z = _partition.epilogue(z, bias, c, act=cfg.act, slope=cfg.slope, beta=cfg.beta, bias_kind=cfg.bias_kind,
-                               dtype=a.dtype)  # fmt: skip
+                               dtype=dtype)  # fmt: skip
     return [y, z] if cfg.return_z else [y]
 
 
@@ -192,9 +198,7 @@ def _xla_fused(*args, cfg):
     The lowering where regemm's kernels cannot run fast: rows that are not whole 16-byte vectors."""
     a, b, bias, c = _split(cfg, args)
     (z,) = _xla_gemm(a, b, cfg=cfg)
-    y, z = _partition.epilogue(z, bias, c, act=cfg.act, slope=cfg.slope, beta=cfg.beta, bias_kind=cfg.bias_kind,
-                               dtype=a.dtype)  # fmt: skip
-    return [y, z] if cfg.return_z else [y]
+    return _fused_outputs(cfg, z, bias, c, a.dtype)
 
 
 def _pick_fused(platform, a, b, *rest, cfg):
@@ -202,9 +206,7 @@ def _pick_fused(platform, a, b, *rest, cfg):
         return _xla_gemm
     n = b.shape[-2] if cfg.trans_b else b.shape[-1]
     rows = (a.shape[-1], b.shape[-1], n) + tuple(cfg.c_shape[-1:])  # as stored: A, B, Y and Z, C
-    if not _rows_aligned(a.dtype, *rows) and _on_xla("unaligned", platform, a.dtype):
-        return _xla_fused
-    return _fused_lower
+    return _xla_fused if _unaligned_on_xla(platform, a.dtype, *rows) else _fused_lower
 
 
 _lower_per_platform(_fused_p, _pick_fused)
@@ -466,8 +468,8 @@ def _epilogue_primitive(name, ref, lower):
         dtype = args[0].dtype
         if _on_xla("dact", platform, dtype):
             return ref
-        unaligned = not _rows_aligned(dtype, *(x.shape[-1] for x in args))  # gY and S; or A, B and S
-        return ref if unaligned and _on_xla("unaligned", platform, dtype) else lower
+        rows = (x.shape[-1] for x in args)  # gY and S; or A, B and S
+        return ref if _unaligned_on_xla(platform, dtype, *rows) else lower
 
     _lower_per_platform(p, pick)
 

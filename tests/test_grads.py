@@ -463,7 +463,7 @@ def test_unaligned_ops_are_xla_programs_on_cuda(rand, monkeypatch):
     ws = [rand.normal((K, 6), jnp.float32, 0.3), rand.normal((6, N), jnp.float32, 0.3)]  # rows of 6 and 5
     bs = [rand.normal((6,), jnp.float32), rand.normal((N,), jnp.float32)]
     assert regemm_calls(_lowered_for_cuda(grad(block), x, ws, bs)) == 0
-    fns = [(layer, (*rand.operands(M, N, K, jnp.float32, bias_shape=(N,))[:3],)), (block, (x, ws, bs))]
+    fns = [(layer, rand.operands(M, N, K, jnp.float32, bias_shape=(N,))[:3]), (block, (x, ws, bs))]
     want = [jax.jit(grad(f))(*args) for f, args in fns]  # regemm's calls on the CPU
     monkeypatch.setenv("REGEMM_UNALIGNED", "xla")
     for (f, args), w in zip(fns, want):
