@@ -15,72 +15,86 @@ inline float from_bits(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; 
 inline float pow2i(float n) { return from_bits(uint32_t(int32_t(n) + 127) << 23); }  // n in [-126, 127]
 
 // x = n ln2 + r with n whole and |r| <= ln2/2; ln2 in two parts, so that r is exact.
+constexpr float kLog2e = 1.44269504088896341f, kLn2Hi = 0.693145751953125f, kLn2Lo = 1.428606765330187e-06f;
 inline float reduce_ln2(float x, float* n) {
-  const float kLog2e = 1.44269504088896341f, kLn2Hi = 0.693145751953125f, kLn2Lo = 1.428606765330187e-06f;
   *n = __builtin_floorf(x * kLog2e + 0.5f);
   return (x - *n * kLn2Hi) - *n * kLn2Lo;
 }
 
-inline float exp(float x) {
-  const float xc = x < -104.0f ? -104.0f : (x > 88.8f ? 88.8f : x);  // beyond: 0 or inf anyway
-  float n;                                                             // in [-150, 128]
-  const float r = reduce_ln2(xc, &n);
-  float p = 1.0f / 5040.0f;                                           // Taylor to r^7: < 1e-8 relative
-  p = p * r + 1.0f / 720.0f;
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  const float n1 = __builtin_floorf(0.5f * n);                         // 2^n as two normal factors,
-  const float y = p * pow2i(n1) * pow2i(n - n1);                       // so subnormals and inf come out right
-  return x != x ? x : y;
-}
-
-// exp(x) for x <= 0 (or NaN, which propagates), where the activations call it
-// (exp(-|z|), exp(-2|z|)): no overflow side, and a result below the smallest
-// normal float (x < -87.33) comes out 0, an absolute error below 1.2e-38. One
-// scaling by 2^n and a sixth-order polynomial (|r| <= ln2/2: 1.2e-7 relative),
-// about a third fewer instructions than exp() above.
-inline float exp_nonpos(float x) {
-  const float xc = x < -87.33f ? -87.33f : x;
-  float n;  // in [-126, 0]
-  const float r = reduce_ln2(xc, &n);
+// e^r for |r| <= ln2/2 (a little beyond is fine): Taylor to r^6, 1.2e-7 relative.
+inline float exp_reduced(float r) {
   float p = 1.0f / 720.0f;
   p = p * r + 1.0f / 120.0f;
   p = p * r + 1.0f / 24.0f;
   p = p * r + 1.0f / 6.0f;
   p = p * r + 0.5f;
   p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  const float y = p * pow2i(n);
+  return p * r + 1.0f;
+}
+
+// p 2^n for whole n in [-252, 254], as two normal factors, so that subnormal
+// and infinite results come out right.
+inline float scale2(float p, float n) {
+  const float n1 = __builtin_floorf(0.5f * n);
+  return p * pow2i(n1) * pow2i(n - n1);
+}
+
+inline float exp(float x) {
+  const float xc = x < -104.0f ? -104.0f : (x > 88.8f ? 88.8f : x);  // beyond: 0 or inf anyway
+  float n;                                                             // in [-150, 128]
+  const float r = reduce_ln2(xc, &n);
+  const float y = scale2(exp_reduced(r), n);
+  return x != x ? x : y;
+}
+
+// exp(x) for x <= 0 (or NaN, which propagates), where the activations call it
+// (exp(-|z|), exp(-2|z|)): no overflow side, and a result below the smallest
+// normal float (x < -87.33) comes out 0, an absolute error below 1.2e-38. One
+// scaling by 2^n, a few instructions fewer than exp() above.
+inline float exp_nonpos(float x) {
+  const float xc = x < -87.33f ? -87.33f : x;
+  float n;  // in [-126, 0]
+  const float r = reduce_ln2(xc, &n);
+  const float y = exp_reduced(r) * pow2i(n);
   return x < -87.33f ? 0.0f : y;
 }
 
+// e^x - 1 for x <= 0 (or NaN), to a few ulp also near 0 where 1 - e^x would
+// cancel: 2^n (e^r - 1) + (2^n - 1), e^r - 1 = r (1 + r/2 + ...) to r^7
+// (1.6e-8 relative); for n != 0 the result is below -0.29, so the sum does
+// not cancel. Below x = -87.33 it is -1, as it is in float from x = -17 on.
+inline float expm1_nonpos(float x) {
+  const float xc = x < -87.33f ? -87.33f : x;
+  float n;  // in [-126, 0]
+  const float r = reduce_ln2(xc, &n);
+  float p = 1.0f / 5040.0f;
+  p = p * r + 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  const float s = pow2i(n);
+  return s * (r * p) + (s - 1.0f);
+}
+
+// tanh|x| = -E / (2 + E), E = e^(-2|x|) - 1: one expression for every |x|
+// (E is accurate near 0, where 1 - e^(-2|x|) would cancel), odd in x.
 inline float tanh(float x) {
   const float t = x < 0.0f ? -x : x;
-  // |x| < 0.3: odd Taylor series (next term < 3e-11); else (1 - e) / (1 + e), e = exp(-2|x|).
-  const float s = t * t;
-  float p = 21844.0f / 6081075.0f;
-  p = p * s - 1382.0f / 155925.0f;
-  p = p * s + 62.0f / 2835.0f;
-  p = p * s - 17.0f / 315.0f;
-  p = p * s + 2.0f / 15.0f;
-  p = p * s - 1.0f / 3.0f;
-  const float small = t + t * s * p;
-  const float e = exp_nonpos(-2.0f * t);
-  const float large = (1.0f - e) / (1.0f + e);
-  const float r = t < 0.3f ? small : large;
-  return x != x ? x : (x < 0.0f ? -r : r);
+  const float e = expm1_nonpos(-2.0f * t);
+  const float r = __builtin_fabsf(e / (2.0f + e));
+  return x != x ? x : __builtin_copysignf(r, x);
 }
 
 // erfc(x) = t exp(-x^2 + f(u)) for x >= 0, t = 2 / (2 + x), u = 4t - 2
 // (Numerical Recipes' form), f a degree-12 polynomial fitted to 6e-10 on
-// [0, 10.1] (beyond, erfc is below the smallest subnormal). x^2 is split as
-// h^2 + (x - h)(x + h), h being x with its 12 low mantissa bits cleared, so that
-// h^2 is exact and the tail keeps its relative accuracy (as fdlibm does).
-// erfc(-x) = 2 - erfc(x).
+// [0, 10.1] (beyond, erfc is below the smallest subnormal); erfc(-x) = 2 - erfc(x).
+// One exponential, of -h^2 + d with h = x less its 12 low mantissa bits and
+// d = (h - x)(h + x) + f small (|d| < 1.5): h^2 is exact, and so is h^2 less
+// its multiple of ln2 (both have at most 24 significant bits and are close),
+// so the reduced argument, and the tail's relative accuracy, lose nothing to
+// x^2's rounding (as fdlibm does with two exponentials).
 inline float erfc(float x) {
   const float a = x < 0.0f ? -x : x;
   const float ac = a > 10.1f ? 10.1f : a;
@@ -100,10 +114,13 @@ inline float erfc(float x) {
   f = f * u - 6.717940840e-01f;
   uint32_t bits;
   std::memcpy(&bits, &ac, 4);
-  const float h = from_bits(bits & 0xfffff000u);
-  const float r0 = t * exp(-h * h) * exp((h - ac) * (h + ac) + f);
-  const float r = a > 10.1f ? 0.0f : r0;
-  return x != x ? x : (x < 0.0f ? 2.0f - r : r);
+  const float h = from_bits(bits & 0xfffff000u), hh = h * h;
+  const float d = (h - ac) * (h + ac) + f;
+  const float n = __builtin_floorf((d - hh) * kLog2e + 0.5f);  // in [-150, 0]
+  const float r = ((-hh - n * kLn2Hi) + d) - n * kLn2Lo;
+  const float r0 = t * scale2(exp_reduced(r), n);
+  const float y = a > 10.1f ? 0.0f : r0;
+  return x != x ? x : (x < 0.0f ? 2.0f - y : y);
 }
 
 }  // namespace regemm::host_math
