@@ -201,6 +201,29 @@ def test_caller_batch_dims(rand, x64, ba, bb, bc, trans):
         assert_rel(z2, want_z, dt, what="fwd Z")
 
 
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+@pytest.mark.parametrize("trans", TRANS, ids=lambda t: f"ta{int(t[0])}tb{int(t[1])}")
+def test_tall_layers(rand, dtype, trans):
+    """Layers tall enough (M >= 512 and past the one-thread size) that the CPU runs the
+    matmul and the activation per block of rows, one block per thread (onednn_gemm.cc,
+    run_rows; an M that does not divide evenly): each block's rows of A (stored either
+    way), C, a per-row bias and the outputs, a batch of two, with and without the Z
+    stash, against float64."""
+    ta, tb = trans
+    dt = DTYPES[dtype]
+    m, k, n = 777, 136, 104
+    for kind_shape, kind in (((m, 1), "per_row"), ((n,), "per_col")):
+        for ba, act in (((), "gelu_erf"), ((2,), "relu")):
+            a, b, bv, c = rand.operands(m, n, k, dt, trans_a=ta, trans_b=tb, bias_shape=kind_shape, with_c=True,
+                                        batch_a=ba, batch_b=ba, batch_c=ba)  # fmt: skip
+            kw = dict(act=act, c=c, alpha=0.8, beta=-1.5, trans_a=ta, trans_b=tb)
+            want, want_z = np_gemm_bias_act(a, b, bv, bias_kind=kind, **kw)
+            y, z = jax.jit(lambda a, b, bv, c: rg.gemm_bias_act_fwd(a, b, bv, **kw))(a, b, bv, c)
+            assert_rel(y, want, dt, what=f"Y {kind} {act} batch {ba}")
+            assert_rel(z, want_z, dt, what=f"Z {kind} {act} batch {ba}")
+            assert_rel(rg.gemm_bias_act(a, b, bv, **kw), want, dt, what=f"Y alone {kind} {act} batch {ba}")
+
+
 def test_caller_batch_bad_broadcast(rand):
     a, b, _, _ = rand.operands(M, N, K, jnp.float32, batch_a=(2,), batch_b=(3,))
     with pytest.raises(ValueError, match=r"batch dims do not broadcast.*\(2, 5, 7\).*\(3, 7, 6\)"):

@@ -9,6 +9,11 @@
 // NaN into 0 and its gelu loses the negative tail (SPEC §3 wants NaN out and
 // relative accuracy), and one place defines the activations for every backend.
 // Without store_z the matmul writes Z into Y's buffer and the pass is in place.
+// Where there is a pass and M is large, each OpenMP thread runs the matmul of
+// its own block of rows and then the pass over them (run_rows): the pass finds
+// its rows in that core's cache and needs no second wake-up of the threads
+// (after a matmul on the whole team, the pass ran at about one thread's speed:
+// the other threads had gone to sleep).
 // The sum post-op adds beta times what dst holds, so C is first copied into
 // dst. Problems oneDNN cannot take (f64, an empty dimension, a dtype this CPU
 // has no path for) go to the portable packed kernel (gemm.cc).
@@ -74,20 +79,21 @@ bool dtype_ok(DType t) {
 memory wrap(const memory::desc& d, const void* p) { return memory(d, engine(), const_cast<void*>(p)); }
 
 // A [batch, rows, cols] operand stored row-major ([rows, cols]) or transposed
-// ([cols, rows]), problem b at b * stride (stride 0: shared, a batch dim of 1).
-memory::desc operand(memory::data_type t, int64_t batch, int64_t stride, int64_t rows, int64_t cols, bool trans) {
+// ([cols, ld]: `rows` of its ld columns), problem b at b * stride (stride 0:
+// shared, a batch dim of 1).
+memory::desc operand(memory::data_type t, int64_t batch, int64_t stride, int64_t rows, int64_t cols, bool trans,
+                     int64_t ld) {
   const int64_t nb = stride == 0 ? 1 : batch;
-  const int64_t bs = stride == 0 ? rows * cols : stride;
-  return memory::desc({nb, rows, cols}, t, trans ? memory::dims{bs, 1, rows} : memory::dims{bs, cols, 1});
+  const int64_t bs = stride == 0 ? ld * cols : stride;
+  return memory::desc({nb, rows, cols}, t, trans ? memory::dims{bs, 1, ld} : memory::dims{bs, cols, 1});
 }
 
-memory::desc bias_desc(const GemmProblem& p, memory::data_type t) {
+memory::desc bias_desc(const GemmProblem& p, int64_t rows, memory::data_type t) {
   const int64_t len = bias_length(p.bias_kind, p.m, p.n);
   const int64_t nb = p.stride_bias == 0 ? 1 : p.batch;
   const int64_t bs = p.stride_bias == 0 ? len : p.stride_bias;
-  const int64_t rows = p.bias_kind == BiasKind::kPerRow ? p.m : 1;
   const int64_t cols = p.bias_kind == BiasKind::kPerCol ? p.n : 1;
-  return memory::desc({nb, rows, cols}, t, memory::dims{bs, cols, 1});
+  return memory::desc({nb, p.bias_kind == BiasKind::kPerRow ? rows : 1, cols}, t, memory::dims{bs, cols, 1});
 }
 
 struct Plan {
@@ -96,15 +102,18 @@ struct Plan {
   bool sum_c = false;  // C copied into dst, added by the sum post-op
 };
 
-using Key = std::tuple<int, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int, int, double, bool>;
+// The problem, and how many of its M rows the plan computes (all, or a block).
+using Key = std::tuple<int, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int, int, double, bool, int64_t>;
 
-std::unique_ptr<Plan> build(const GemmProblem& p) {
+// The plan of `rows` rows of problem p (from any row on: the caller offsets
+// the pointers), strided as the whole problem.
+std::unique_ptr<Plan> build(const GemmProblem& p, int64_t rows) {
   auto& e = engine();
   const memory::data_type t = dtype_of(p.dtype);
   auto plan = std::make_unique<Plan>();
-  plan->a = operand(t, p.batch, p.stride_a, p.m, p.k, p.trans_a);
-  plan->b = operand(t, p.batch, p.stride_b, p.k, p.n, p.trans_b);
-  plan->d = memory::desc({p.batch, p.m, p.n}, t, memory::format_tag::abc);
+  plan->a = operand(t, p.batch, p.stride_a, rows, p.k, p.trans_a, p.m);
+  plan->b = operand(t, p.batch, p.stride_b, p.k, p.n, p.trans_b, p.k);
+  plan->d = memory::desc({p.batch, rows, p.n}, t, memory::dims{p.m * p.n, p.n, 1});
   dnnl::primitive_attr attr;
   attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
   if (p.alpha != 1.0) attr.set_scales_mask(DNNL_ARG_SRC, 0);
@@ -118,7 +127,7 @@ std::unique_ptr<Plan> build(const GemmProblem& p) {
   if (p.bias_kind == BiasKind::kNone) {
     pd = dnnl::matmul::primitive_desc(e, plan->a, plan->b, plan->d, attr);
   } else {
-    plan->bias = bias_desc(p, t);
+    plan->bias = bias_desc(p, rows, t);
     pd = dnnl::matmul::primitive_desc(e, plan->a, plan->b, plan->bias, plan->d, attr);
   }
   plan->matmul = dnnl::matmul(pd);
@@ -126,20 +135,21 @@ std::unique_ptr<Plan> build(const GemmProblem& p) {
   return plan;
 }
 
-// The plan of a problem, built on first use: building one costs tens of
-// microseconds, as much as a small GEMM. Null: oneDNN has no path for it.
-// Bounded: a program sees few shapes.
-const Plan* plan_of(const GemmProblem& p) {
+// The plan of a problem's `rows` rows (all of them by default), built on
+// first use: building one costs tens of microseconds, as much as a small GEMM.
+// Null: oneDNN has no path for it. Bounded: a program sees few shapes.
+const Plan* plan_of(const GemmProblem& p, int64_t rows = -1) {
   static std::mutex mu;
   static std::map<Key, std::unique_ptr<Plan>> plans;
+  if (rows < 0) rows = p.m;
   const Key key{int(p.dtype), p.m, p.n, p.k, p.batch, p.stride_a, p.stride_b, p.stride_bias,
-                int(p.bias_kind), p.trans_a * 2 + p.trans_b, p.has_c ? p.beta : 0.0, p.alpha != 1.0};
+                int(p.bias_kind), p.trans_a * 2 + p.trans_b, p.has_c ? p.beta : 0.0, p.alpha != 1.0, rows};
   std::lock_guard<std::mutex> lock(mu);
   auto it = plans.find(key);
   if (it == plans.end()) {
     std::unique_ptr<Plan> plan;
     try {
-      plan = build(p);
+      plan = build(p, rows);
     } catch (const dnnl::error&) {  // unimplemented for this problem: run_gemm falls back
     }
     if (plans.size() >= 512) plans.clear();
@@ -166,31 +176,91 @@ ffi::Error run_packed(const GemmProblem& p, const GemmOperands& o, CpuRuntime& r
   return ffi::Error(ffi::ErrorCode::kInternal, "oneDNN has no path for this GEMM and cpu_packed is not registered");
 }
 
+// Runs `plan` over rows [r0, r0 + rows) of p into dst (Z's buffer, or Y's),
+// C's rows copied into dst first where the sum post-op adds them. Throws
+// dnnl::error.
+void execute(const Plan& plan, const GemmProblem& p, const GemmOperands& o, void* dst, int64_t r0, int64_t rows) {
+  const int64_t size = dtype_size(p.dtype), mn = p.m * p.n;
+  char* d0 = static_cast<char*>(dst) + r0 * p.n * size;
+  if (plan.sum_c)
+    for (int64_t b = 0; b < p.batch; ++b)
+      std::memcpy(d0 + b * mn * size, static_cast<const char*>(o.c) + (b * p.stride_c + r0 * p.n) * size,
+                  rows * p.n * size);
+  thread_local std::vector<char> scratch;
+  scratch.resize(std::max(scratch.size(), plan.scratchpad.get_size()));
+  float alpha = float(p.alpha);
+  const char* a0 = static_cast<const char*>(o.a) + (p.trans_a ? r0 : r0 * p.k) * size;
+  std::unordered_map<int, memory> args = {{DNNL_ARG_SRC, wrap(plan.a, a0)},
+                                          {DNNL_ARG_WEIGHTS, wrap(plan.b, o.b)},
+                                          {DNNL_ARG_DST, wrap(plan.d, d0)},
+                                          {DNNL_ARG_SCRATCHPAD, wrap(plan.scratchpad, scratch.data())}};
+  if (p.alpha != 1.0)
+    args.emplace(DNNL_ARG_ATTR_SCALES | DNNL_ARG_SRC, wrap(memory::desc({1}, memory::data_type::f32, {1}), &alpha));
+  if (p.bias_kind != BiasKind::kNone)
+    args.emplace(DNNL_ARG_BIAS, wrap(plan.bias, static_cast<const char*>(o.bias) +
+                                                    (p.bias_kind == BiasKind::kPerRow ? r0 * size : 0)));
+  dnnl::stream s(engine());
+  plan.matmul.execute(s, args);
+  s.wait();
+}
+
+// Y = act(dst) over rows [r0, r0 + rows) of every problem of the batch.
+void act_rows(const GemmProblem& p, const void* dst, void* y, int64_t r0, int64_t rows) {
+  const int64_t mn = p.m * p.n;
+  for (int64_t b = 0; b < p.batch; ++b)
+    elementwise().act(p.dtype, p.act, p.slope, dst, y, b * mn + r0 * p.n, b * mn + (r0 + rows) * p.n);
+}
+
+// Blocks of at least this many rows keep oneDNN's one-thread matmuls as fast as
+// the team's matmul of the whole (2 threads: 512^3 in blocks of 256 rows as
+// fast; 256x1024x4096 in blocks of 128 rows 3-10% slower).
+constexpr int64_t kMinBlockRows = 256;
+
+// How many blocks of rows run_rows splits p into; 1: the matmul on the whole
+// team, then the pass (no pass, too few rows, or a problem for one thread).
+int row_blocks(const GemmProblem& p) {
+  if (p.act == Act::kNone || single_threaded(p)) return 1;
+  return int(std::max<int64_t>(1, std::min<int64_t>(omp_get_max_threads(), p.m / kMinBlockRows)));
+}
+
+// One OpenMP thread per block of rows: the block's matmul on that thread
+// alone, then the activation of its rows, still in that core's cache.
+ffi::Error run_rows(const GemmProblem& p, const GemmOperands& o, int blocks) {
+  const int64_t h = (p.m + blocks - 1) / blocks, last = p.m - (blocks - 1) * h;
+  const Plan* full = plan_of(p, h);
+  const Plan* tail = plan_of(p, last);
+  if (!full || !tail) return ffi::Error(ffi::ErrorCode::kInternal, "oneDNN: no plan for a block of rows");
+  void* dst = p.store_z ? o.z : o.y;
+  std::mutex mu;
+  std::string error;
+#pragma omp parallel num_threads(blocks)
+  {
+    omp_set_num_threads(1);  // oneDNN's parallel regions inside this one: this thread alone
+    for (int i = omp_get_thread_num(); i < blocks; i += omp_get_num_threads()) {
+      const int64_t r0 = i * h, rows = i == blocks - 1 ? last : h;
+      try {
+        execute(i == blocks - 1 ? *tail : *full, p, o, dst, r0, rows);
+        act_rows(p, dst, o.y, r0, rows);
+      } catch (const dnnl::error& err) {
+        std::lock_guard<std::mutex> lock(mu);
+        error = err.what();
+      }
+    }
+  }
+  if (!error.empty()) return ffi::Error(ffi::ErrorCode::kInternal, "oneDNN: " + error);
+  return ffi::Error::Success();
+}
+
 ffi::Error run_gemm(const GemmProblem& p, const GemmOperands& o, CpuRuntime& rt) {
   const Plan* plan = plan_of(p);
   if (!plan) return run_packed(p, o, rt);
-  const int64_t size = dtype_size(p.dtype), mn = p.m * p.n, total = p.batch * mn;
+  if (const int blocks = row_blocks(p); blocks > 1) return run_rows(p, o, blocks);
+  const int64_t size = dtype_size(p.dtype), total = p.batch * p.m * p.n;
   void* dst = p.store_z ? o.z : o.y;
-  if (plan->sum_c)
-    for (int64_t b = 0; b < p.batch; ++b)
-      std::memcpy(static_cast<char*>(dst) + b * mn * size, static_cast<const char*>(o.c) + b * p.stride_c * size,
-                  mn * size);
-  thread_local std::vector<char> scratch;
-  scratch.resize(std::max(scratch.size(), plan->scratchpad.get_size()));
-  float alpha = float(p.alpha);
   const int team = omp_get_max_threads();  // a per-thread setting: restored below
   if (single_threaded(p)) omp_set_num_threads(1);
   try {
-    std::unordered_map<int, memory> args = {{DNNL_ARG_SRC, wrap(plan->a, o.a)},
-                                            {DNNL_ARG_WEIGHTS, wrap(plan->b, o.b)},
-                                            {DNNL_ARG_DST, wrap(plan->d, dst)},
-                                            {DNNL_ARG_SCRATCHPAD, wrap(plan->scratchpad, scratch.data())}};
-    if (p.alpha != 1.0)
-      args.emplace(DNNL_ARG_ATTR_SCALES | DNNL_ARG_SRC, wrap(memory::desc({1}, memory::data_type::f32, {1}), &alpha));
-    if (p.bias_kind != BiasKind::kNone) args.emplace(DNNL_ARG_BIAS, wrap(plan->bias, o.bias));
-    dnnl::stream s(engine());
-    plan->matmul.execute(s, args);
-    s.wait();
+    execute(*plan, p, o, dst, 0, p.m);
   } catch (const dnnl::error& err) {
     omp_set_num_threads(team);
     return ffi::Error(ffi::ErrorCode::kInternal, std::string("oneDNN: ") + err.what());
