@@ -207,8 +207,8 @@ def test_tall_layers(rand, dtype, trans):
     """Layers tall enough (M >= 512 and past the one-thread size) that the CPU runs the
     matmul and the activation per block of rows, one block per thread (onednn_gemm.cc,
     run_rows; an M that does not divide evenly): each block's rows of A (stored either
-    way; B is whole in every block), C, a per-row bias and the outputs, a batch of two, with and without the Z
-    stash, against float64."""
+    way; B is whole in every block), C, a per-row bias and the outputs, a batch of two,
+    with and without the Z stash, against float64."""
     ta, tb = trans
     dt = DTYPES[dtype]
     m, k, n = 777, 136, 104

@@ -103,7 +103,8 @@ struct Plan {
 };
 
 // The problem, and how many of its M rows the plan computes (all, or a block).
-using Key = std::tuple<int, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int, int, double, bool, int64_t>;
+using Key =
+    std::tuple<int, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int, int, double, bool, int64_t>;
 
 // The plan of `rows` rows of problem p (from any row on: the caller offsets
 // the pointers), strided as the whole problem.
@@ -223,13 +224,12 @@ int row_blocks(const GemmProblem& p) {
   return int(std::max<int64_t>(1, std::min<int64_t>(omp_get_max_threads(), p.m / kMinBlockRows)));
 }
 
-// One OpenMP thread per block of rows: the block's matmul on that thread
-// alone, then the activation of its rows, still in that core's cache.
-ffi::Error run_rows(const GemmProblem& p, const GemmOperands& o, int blocks) {
-  const int64_t h = (p.m + blocks - 1) / blocks, last = p.m - (blocks - 1) * h;
-  const Plan* full = plan_of(p, h);
-  const Plan* tail = plan_of(p, last);
-  if (!full || !tail) return ffi::Error(ffi::ErrorCode::kInternal, "oneDNN: no plan for a block of rows");
+// One OpenMP thread per block of rows (blocks of h rows, the last of the rest):
+// the block's matmul on that thread alone (plans `full` and `tail`), then the
+// activation of its rows, still in that core's cache.
+ffi::Error run_rows(const GemmProblem& p, const GemmOperands& o, int blocks, int64_t h, const Plan& full,
+                    const Plan& tail) {
+  const int64_t last = p.m - (blocks - 1) * h;
   void* dst = p.store_z ? o.z : o.y;
   std::mutex mu;
   std::string error;
@@ -239,7 +239,7 @@ ffi::Error run_rows(const GemmProblem& p, const GemmOperands& o, int blocks) {
     for (int i = omp_get_thread_num(); i < blocks; i += omp_get_num_threads()) {
       const int64_t r0 = i * h, rows = i == blocks - 1 ? last : h;
       try {
-        execute(i == blocks - 1 ? *tail : *full, p, o, dst, r0, rows);
+        execute(i == blocks - 1 ? tail : full, p, o, dst, r0, rows);
         act_rows(p, dst, o.y, r0, rows);
       } catch (const dnnl::error& err) {
         std::lock_guard<std::mutex> lock(mu);
@@ -254,7 +254,12 @@ ffi::Error run_rows(const GemmProblem& p, const GemmOperands& o, int blocks) {
 ffi::Error run_gemm(const GemmProblem& p, const GemmOperands& o, CpuRuntime& rt) {
   const Plan* plan = plan_of(p);
   if (!plan) return run_packed(p, o, rt);
-  if (const int blocks = row_blocks(p); blocks > 1) return run_rows(p, o, blocks);
+  if (const int blocks = row_blocks(p); blocks > 1) {
+    const int64_t h = (p.m + blocks - 1) / blocks;
+    const Plan* full = plan_of(p, h);
+    const Plan* tail = plan_of(p, p.m - (blocks - 1) * h);
+    if (full && tail) return run_rows(p, o, blocks, h, *full, *tail);  // else the whole matmul, then the pass
+  }
   const int64_t size = dtype_size(p.dtype), total = p.batch * p.m * p.n;
   void* dst = p.store_z ? o.z : o.y;
   const int team = omp_get_max_threads();  // a per-thread setting: restored below
