@@ -21,16 +21,19 @@ inline float reduce_ln2(float x, float* n) {
   return (x - *n * kLn2Hi) - *n * kLn2Lo;
 }
 
-// e^r for |r| <= ln2/2 (a little beyond is fine): Taylor to r^6, 1.2e-7 relative.
-inline float exp_reduced(float r) {
-  float p = 1.0f / 720.0f;
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  return p * r + 1.0f;
+// The Taylor series of e^r past its leading 1, divided by r, to r^(N-1)/N!:
+// 1 + r/2! + ... = (e^r - 1) / r for |r| <= ln2/2 (a little beyond is fine).
+template <int N>
+inline float exp_series(float r) {
+  float f = 1.0f;  // N!, then each factorial below it: exact in float up to 10!
+  for (int k = 2; k <= N; ++k) f *= float(k);
+  float p = 1.0f / f;
+  for (int k = N; k > 1; --k) p = p * r + 1.0f / (f /= float(k));
+  return p;
 }
+
+// e^r for |r| <= ln2/2: Taylor to r^6, 1.2e-7 relative.
+inline float exp_reduced(float r) { return exp_series<6>(r) * r + 1.0f; }
 
 // p 2^n for whole n in [-252, 254], as two normal factors, so that subnormal
 // and infinite results come out right.
@@ -67,15 +70,8 @@ inline float expm1_nonpos(float x) {
   const float xc = x < -87.33f ? -87.33f : x;
   float n;  // in [-126, 0]
   const float r = reduce_ln2(xc, &n);
-  float p = 1.0f / 5040.0f;
-  p = p * r + 1.0f / 720.0f;
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
   const float s = pow2i(n);
-  return s * (r * p) + (s - 1.0f);
+  return s * (r * exp_series<7>(r)) + (s - 1.0f);
 }
 
 // tanh|x| = -E / (2 + E), E = e^(-2|x|) - 1: one expression for every |x|
@@ -88,37 +84,37 @@ inline float tanh(float x) {
 }
 
 // erfc(x) = t exp(-x^2 + f(u)) for x >= 0, t = 2 / (2 + x), u = 4t - 2
-// (Numerical Recipes' form), f a degree-12 polynomial fitted to 6e-10 on
-// [0, 10.1] (beyond, erfc is below the smallest subnormal); erfc(-x) = 2 - erfc(x).
+// (Numerical Recipes' form), f a degree-9 polynomial fitted to 4.3e-8 (minimax,
+// float coefficients) on [0, 9.35] (beyond, erfc is below 2^-130, and 0 from
+// x = 10.1 on, where it is below the smallest subnormal); erfc(-x) = 2 - erfc(x).
 // One exponential, of -h^2 + d with h = x less its 12 low mantissa bits and
 // d = (h - x)(h + x) + f small (|d| < 1.5): h^2 is exact, and so is h^2 less
 // its multiple of ln2 (both have at most 24 significant bits and are close),
 // so the reduced argument, and the tail's relative accuracy, lose nothing to
-// x^2's rounding (as fdlibm does with two exponentials).
+// x^2's rounding (as fdlibm does with two exponentials). The scaling by 2^n
+// (n >= -150) is one factor 2^(n + 24), always normal, times t 2^-24 (exact):
+// a subnormal result comes out of the last product, rounded there once.
 inline float erfc(float x) {
   const float a = x < 0.0f ? -x : x;
   const float ac = a > 10.1f ? 10.1f : a;
   const float t = 2.0f / (2.0f + ac), u = 4.0f * t - 2.0f;
-  float f = 1.144207661e-08f;
-  f = f * u - 6.270970689e-08f;
-  f = f * u - 8.738045437e-08f;
-  f = f * u + 1.263629433e-06f;
-  f = f * u - 5.623424698e-07f;
-  f = f * u - 1.826593086e-05f;
-  f = f * u + 2.746759916e-05f;
-  f = f * u + 2.757434141e-04f;
-  f = f * u - 6.170350156e-04f;
-  f = f * u - 5.861941763e-03f;
-  f = f * u + 1.183582545e-02f;
-  f = f * u + 3.363216112e-01f;
-  f = f * u - 6.717940840e-01f;
+  float f = 5.248654134e-07f;
+  f = f * u - 3.248066491e-07f;
+  f = f * u - 1.604047611e-05f;
+  f = f * u + 2.612716889e-05f;
+  f = f * u + 2.730622364e-04f;
+  f = f * u - 6.154676666e-04f;
+  f = f * u - 5.860617384e-03f;
+  f = f * u + 1.183529105e-02f;
+  f = f * u + 3.363214135e-01f;
+  f = f * u - 6.717940569e-01f;
   uint32_t bits;
   std::memcpy(&bits, &ac, 4);
   const float h = from_bits(bits & 0xfffff000u), hh = h * h;
   const float d = (h - ac) * (h + ac) + f;
   const float n = __builtin_floorf((d - hh) * kLog2e + 0.5f);  // in [-150, 0]
   const float r = ((-hh - n * kLn2Hi) + d) - n * kLn2Lo;
-  const float r0 = t * scale2(exp_reduced(r), n);
+  const float r0 = exp_reduced(r) * pow2i(n + 24.0f) * (t * 5.9604644775390625e-08f);
   const float y = a > 10.1f ? 0.0f : r0;
   return x != x ? x : (x < 0.0f ? 2.0f - y : y);
 }
