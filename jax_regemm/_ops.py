@@ -618,7 +618,11 @@ def _mlp_lin_transpose(cts, *args, spec):
     # gZ of the top layer: its own backward epilogue (a dact pass; none for act none)
     want_b = undefined(dbs[top])
     if cfg.act == "none":
-        gz, gb = g, None
+        # g itself, read by three ops (the dgrad call below, the wgrad dot, the bias
+        # reduction): one buffer. Else XLA fuses g's producer (the loss's gradient)
+        # into each of them that can take it and keeps copies: the f32 32768x512x12
+        # step held one [M, N] buffer more than XLA's own step at its peak.
+        gz, gb = lax.optimization_barrier(g), None
     else:
         s = _mlp_residual(cfg, kinds[top], h, w, s, b)
         dspec = _DactSpec(cfg.act, cfg.slope, kinds[top] == "y", cfg.bias_kind if want_b else "none", cfg.bias_shape[-1:])
