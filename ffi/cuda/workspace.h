@@ -32,12 +32,23 @@ inline constexpr size_t kGemmWorkspaceBytes = size_t(31) << 20;
 // regemm_dact: the tiles' partial bias sums (0 without a bias).
 size_t dact_workspace_bytes(DType t, int64_t m, int64_t n, int64_t batch, BiasKind kind);
 
+// The largest transposed B (f32 x @ w on CUTLASS's TF32 kernel) a GEMM's
+// workspace holds. Beyond it the CUTLASS way runs its register-A kernel
+// without B^T, and the tuner takes cuBLASLt, which won at every such shape
+// measured on the H100 with B^T too (4096x4096x4096: 334 us against 467;
+// 16384x2048x2048: 381 against 427), so reserving it only raised the peak
+// (the f32 4096x4096x4 training step held 1.48x XLA's temporaries).
+inline constexpr size_t kMaxTransposedBBytes = size_t(4) << 20;
+
 // regemm_gemm: a library GEMM's workspace, plus (f32 at default precision,
-// x @ w) the K x N transposed B for each of the `batch_b` distinct Bs.
+// x @ w) the K x N transposed B for each of the `batch_b` distinct Bs, where
+// they fit in kMaxTransposedBBytes.
 inline size_t gemm_workspace_bytes(DType t, int64_t k, int64_t n, int64_t batch_b, bool trans_a, bool trans_b,
                                    bool exact_f32) {
   size_t bytes = kGemmWorkspaceBytes + kWorkspaceAlign;
-  if (t == DType::kF32 && !exact_f32 && !trans_a && !trans_b) bytes += size_t(k * n * batch_b) * 4 + kWorkspaceAlign;
+  const size_t bt = size_t(k * n * batch_b) * 4;
+  if (t == DType::kF32 && !exact_f32 && !trans_a && !trans_b && bt <= kMaxTransposedBBytes)
+    bytes += bt + kWorkspaceAlign;
   return bytes;
 }
 
