@@ -22,11 +22,11 @@ inline constexpr size_t kWorkspaceAlign = 256;
 
 // A library GEMM's workspace (cuBLAS recommends 32 MiB on Hopper), also the
 // bound for a CUTLASS stream-K workspace: 31 MiB, so that with the alignment
-// slack and the small extras below (a 512 x 512 f32 B^T, the bias partials of
-// 32768 x 512) a call's workspace stays within 32 MiB, the size of XLA's own
-// cuBLAS workspaces, and XLA's buffer assignment packs both into the same
-// slots (at 32 MiB + 256 B it kept slots of 32.5 MiB: the bf16 32768x512x12
-// relu step's temporaries 448.5 MiB against XLA's 448).
+// slack and small extras (the bias partials of a 32768 x 512 dgrad: 512 KiB) a
+// call's workspace stays within 32 MiB, the size of XLA's own cuBLAS
+// workspaces, and XLA's buffer assignment packs both into the same slots (at
+// 32 MiB + 256 B it kept slots of 32.5 MiB: the bf16 32768x512x12 relu step's
+// temporaries 448.5 MiB against XLA's 448).
 inline constexpr size_t kGemmWorkspaceBytes = size_t(31) << 20;
 
 // regemm_dact: the tiles' partial bias sums (0 without a bias).
