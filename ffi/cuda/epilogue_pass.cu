@@ -44,7 +44,7 @@ __global__ void __launch_bounds__(256) epilogue_kernel(const PassArgs a) {
       bias_col[j] = bias && a.bias_kind != BiasKind::kPerRow ? load<F>(bias[bias_index(a.bias_kind, 0, col + j)]) : F(0);
     for (int64_t r = int64_t(blockIdx.y) * blockDim.y + threadIdx.y; r < a.m; r += int64_t(gridDim.y) * blockDim.y) {
       const int64_t off = r * a.n + col;
-      W yv = *reinterpret_cast<const W*>(y + off);
+      const W yv = load_pack<T, V>(y + off);
       F v[V];
 #pragma unroll
       for (int j = 0; j < V; ++j) v[j] = load<F>(yv.v[j]) + bias_col[j];
@@ -54,19 +54,14 @@ __global__ void __launch_bounds__(256) epilogue_kernel(const PassArgs a) {
         for (int j = 0; j < V; ++j) v[j] += br;
       }
       if (c) {
-        const W cv = *reinterpret_cast<const W*>(c + off);
+        const W cv = load_pack<T, V>(c + off);
 #pragma unroll
         for (int j = 0; j < V; ++j) v[j] += beta * load<F>(cv.v[j]);
       }
-      if (z) {
-        W zv;
+      if (z) store_pack<T, V>(z + off, round_pack<T, V>(v));
 #pragma unroll
-        for (int j = 0; j < V; ++j) zv.v[j] = store<T>(v[j]);
-        *reinterpret_cast<W*>(z + off) = zv;
-      }
-#pragma unroll
-      for (int j = 0; j < V; ++j) yv.v[j] = store<T>(act_fwd<F, M>(A, v[j], slope));
-      *reinterpret_cast<W*>(y + off) = yv;
+      for (int j = 0; j < V; ++j) v[j] = act_fwd<F, M>(A, v[j], slope);
+      store_pack<T, V>(y + off, round_pack<T, V>(v));
     }
   }
 }
