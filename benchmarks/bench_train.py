@@ -7,7 +7,7 @@ Plain is `nn.Dense` followed by the activation; ours is `jax_regemm.flax.MLP`
 with no bias and no activation: its GEMMs, the loss and AdamW only, which no
 epilogue fusion can beat without a faster GEMM. Each step is timed two ways:
 device time (profiler timeline of one step, devtime.py) and wall clock (a
-pipelined loop of steps, blocked once at the end, per step). Also the
+pipelined loop of steps, blocked once at the end, per step; the sides' loops take turns). Also the
 compiled step's temporary memory. Median of repeats after warm-up.
 
 --ab NAME=VAR=VALUE adds a side: ours compiled with the environment variable
@@ -74,19 +74,29 @@ def make_step(model, opt):
     return step
 
 
-def wall_ms(step, state, x, y, n=30, repeats=5):
-    params, opt_state = state
-    for _ in range(3):
-        params, opt_state, l = step(params, opt_state, x, y)
-    jax.block_until_ready(l)
-    ts = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(n):
+def wall_ms(steps, x, y, n=30, repeats=5):
+    """{side: (compiled step, (params, opt_state))} -> {side: median ms per step of a
+    pipelined loop of n steps}. The sides' loops take turns, repeat by repeat: run
+    one side's loops after the other's and the later side meets a hotter GPU (on an
+    H100 the 4096x4096x4 bf16 loops run at the power cap, the SM clock at 1590-1725
+    MHz instead of 1980), which cost the last side up to 4% a step."""
+    state = {}
+    for side, (step, (params, opt_state)) in steps.items():
+        for _ in range(3):
             params, opt_state, l = step(params, opt_state, x, y)
         jax.block_until_ready(l)
-        ts.append((time.perf_counter() - t0) / n * 1e3)
-    return statistics.median(ts)
+        state[side] = (params, opt_state)
+    ts = {side: [] for side in steps}
+    for _ in range(repeats):
+        for side, (step, _) in steps.items():
+            params, opt_state = state[side]
+            t0 = time.perf_counter()
+            for _ in range(n):
+                params, opt_state, l = step(params, opt_state, x, y)
+            jax.block_until_ready(l)
+            ts[side].append((time.perf_counter() - t0) / n * 1e3)
+            state[side] = (params, opt_state)
+    return {side: statistics.median(t) for side, t in ts.items()}
 
 
 @contextlib.contextmanager
@@ -131,7 +141,7 @@ def run(shapes, acts, dtypes, repeats, ab):
                     cases[side] = (step, [(st[0], st[1], x, y)])
                     mem[side] = step.memory_analysis().temp_size_in_bytes
                 dev = device_times_ms(cases, repeats=repeats)
-                wall = {side: wall_ms(step, st, x, y) for side, (step, st) in steps.items()}
+                wall = wall_ms(steps, x, y)
                 rec = dict(shape=[rows, width, layers], dtype=dname, act=act,
                            xla_ms=dev["xla"], regemm_ms=dev["regemm"], floor_ms=dev["floor"],
                            speedup=dev["xla"] / dev["regemm"],
