@@ -88,8 +88,10 @@ __host__ __device__ int64_t partials_per_batch(BiasKind kind, int64_t m, int64_t
   }
 }
 
-// The activations whose act' a call may read off Y (grad_from_y_ok): for the
-// others only the form from Z is compiled.
+// The activations whose act' a call may read off Y: grad_from_y_ok's list
+// (dact_attrs refuses from_y elsewhere), here as a compile-time fact so that the
+// other activations compile the form from Z alone (with both forms the gelu
+// kernel's code grew by 40% and some kernels took more registers and spilled).
 template <Act A>
 constexpr bool kMayReadY = A == Act::kRelu || A == Act::kLeakyRelu || A == Act::kSigmoid || A == Act::kTanh;
 
@@ -142,6 +144,8 @@ __global__ void __launch_bounds__(kThreads) dact_tiles_kernel(const DactArgs a) 
       if (gb) gb[i] = store<T>(v);
       else part[i] = v;
     };
+    // Row r of this thread's rows in the tile (rows y, y + 8, ...).
+    auto row_of = [&](int r) { return tm * kWarps * a.rows + threadIdx.y + r * kWarps; };
     A colsum[V];
 #pragma unroll
     for (int v = 0; v < V; ++v) colsum[v] = A(0);
@@ -154,7 +158,7 @@ __global__ void __launch_bounds__(kThreads) dact_tiles_kernel(const DactArgs a) 
       P gv[kMaxRowsPerThread];
 #pragma unroll
       for (int r = 0; r < kMaxRowsPerThread; ++r) {
-        const int64_t row = tm * kWarps * a.rows + threadIdx.y + r * kWarps;
+        const int64_t row = row_of(r);
         if (r < a.rows && row < a.m && col_in) gv[r] = load_pack<T, V>(gy + row * a.n + col);
         else
 #pragma unroll
@@ -180,7 +184,7 @@ __global__ void __launch_bounds__(kThreads) dact_tiles_kernel(const DactArgs a) 
     const int rows = sums_only ? 0 : a.rows;
     P gnext, snext;
     auto fetch = [&](int r) {
-      const int64_t row = tm * kWarps * a.rows + threadIdx.y + r * kWarps;
+      const int64_t row = row_of(r);
       if (r < rows && row < a.m && col_in) {
         gnext = load_pack<T, V>(gy + row * a.n + col);
         if constexpr (kAct != Act::kNone) snext = load_pack<T, V>(s + row * a.n + col);
@@ -190,7 +194,7 @@ __global__ void __launch_bounds__(kThreads) dact_tiles_kernel(const DactArgs a) 
       if constexpr (kAhead) fetch(0);
 #pragma unroll(kAhead ? 1 : 4)
       for (int r = 0; r < rows; ++r) {
-        const int64_t row = tm * kWarps * a.rows + threadIdx.y + r * kWarps;
+        const int64_t row = row_of(r);
         P gv, sv;
         if constexpr (kAhead) {
           gv = gnext;
