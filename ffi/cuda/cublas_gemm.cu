@@ -358,19 +358,48 @@ ffi::Error prepare(const GemmProblem& p, CudaRuntime& rt, Call* c) {
   return device_handle(&c->dh);
 }
 
-// The epilogue of `way` for p (kLtPass: the plain matmul), or false where the way does not apply.
-bool way_epilogue(const GemmProblem& p, const GemmOperands& o, Way way, cublasLtEpilogue_t* e) {
-  if (way == kLtFused) return lt_epilogue(p, o, e);
-  *e = CUBLASLT_EPILOGUE_DEFAULT;
-  return way == kLtPass && !p.is_plain_gemm();
+// kLtPass where Z is kept: the matmul writes Z itself, its per-column bias
+// (cuBLASLt's BIAS epilogue) and C (beta) included, and the pass reads Z and
+// writes Y alone: two M x N passes where reading Y and writing Z and Y took
+// three (8192x8192 f32 gelu: 205 us for the three, results/h200_block.md). Not
+// for f64 (lt_epilogue has no epilogues there) nor batches (bias and C would
+// need batch strides of their own).
+bool matmul_into_z(const GemmProblem& p, const GemmOperands& o) {
+  if (!p.store_z || p.is_plain_gemm() || p.dtype == DType::kF64 || p.batch != 1) return false;
+  return p.bias_kind == BiasKind::kNone || (p.bias_kind == BiasKind::kPerCol && aligned16(o.bias));
 }
 
-// Runs the epilogue pass after a plain matmul into Y (16-bit types with the
-// fast activations, as the fused CUTLASS epilogue; f32/f64 precise).
-ffi::Error pass_after(const GemmProblem& p, const GemmOperands& o, CudaRuntime& rt) {
+// The matmul of `way` for p: its epilogue, its operands (D is Y, or Z where
+// matmul_into_z) and whether it adds C; false where the way does not apply.
+struct LtCall {
+  cublasLtEpilogue_t epilogue;
+  GemmOperands o;
+  bool with_c;
+};
+bool lt_call(const GemmProblem& p, const GemmOperands& o, Way way, LtCall* c) {
+  c->o = o;
+  if (way == kLtFused) {
+    c->with_c = use_c(p);
+    return lt_epilogue(p, o, &c->epilogue);
+  }
+  if (way != kLtPass || p.is_plain_gemm()) return false;
+  const bool into_z = matmul_into_z(p, o);
+  c->epilogue = into_z && p.bias_kind == BiasKind::kPerCol ? CUBLASLT_EPILOGUE_BIAS : CUBLASLT_EPILOGUE_DEFAULT;
+  c->with_c = into_z && use_c(p);
+  if (into_z) c->o.y = o.z;
+  return true;
+}
+
+// Runs the epilogue pass after a matmul into Y, or into Z (from_z: bias and C
+// in it). The activation's math as the fused CUTLASS epilogue computes it
+// (FastMath) wherever the GEMM is on tensor cores, whose outputs carry 16-bit
+// or TF32 rounding anyway (the f32 gelu pass over 8192x8192 was bound by the
+// precise exp and division, results/h200_block.md); precise for f32 HIGHEST
+// and f64, where the pass is the reference.
+ffi::Error pass_after(const GemmProblem& p, const GemmOperands& o, CudaRuntime& rt, bool from_z = false) {
   if (p.is_plain_gemm()) return ffi::Error::Success();
-  const bool fast = p.dtype == DType::kBF16 || p.dtype == DType::kF16;
-  if (const char* err = epilogue_pass(p, o, /*with_bias_c=*/true, fast, rt.stream))
+  const bool fast = p.dtype == DType::kBF16 || p.dtype == DType::kF16 || (p.dtype == DType::kF32 && !p.exact_f32);
+  if (const char* err = epilogue_pass(p, o, /*with_bias_c=*/!from_z, fast, rt.stream, from_z))
     return ffi::Error::Internal(std::string("regemm: CUDA error from the epilogue pass launch: ") + err);
   ++rt.ops;
   return ffi::Error::Success();
@@ -412,11 +441,10 @@ ffi::Error lt_matmul(const GemmProblem& p, const GemmOperands& o, cublasLtEpilog
 ffi::Error run_lt(const GemmProblem& p, const GemmOperands& o, Way way, int algo, const Call& c, CudaRuntime& rt,
                   bool* ran) {
   *ran = false;
-  cublasLtEpilogue_t epilogue;
-  if (!way_epilogue(p, o, way, &epilogue)) return ffi::Error::Success();
-  if (auto e = lt_matmul(p, o, epilogue, way == kLtFused && use_c(p), algo, c, rt, ran); e.failure() || !*ran)
-    return e;
-  return way == kLtPass ? pass_after(p, o, rt) : ffi::Error::Success();
+  LtCall call;
+  if (!lt_call(p, o, way, &call)) return ffi::Error::Success();
+  if (auto e = lt_matmul(p, call.o, call.epilogue, call.with_c, algo, c, rt, ran); e.failure() || !*ran) return e;
+  return way == kLtPass ? pass_after(p, o, rt, /*from_z=*/call.o.y != o.y) : ffi::Error::Success();
 }
 
 // cublasGemmStridedBatchedEx picks its own algorithm; then the pass.
@@ -457,10 +485,10 @@ void variants(const GemmProblem& p, const GemmOperands& o, CudaRuntime& rt, std:
   names->assign(kNumVariants, "");
   bool any_lt = false;
   for (Way way : {kLtFused, kLtPass}) {
-    cublasLtEpilogue_t epilogue;
-    if (!way_epilogue(p, o, way, &epilogue)) continue;
+    LtCall call;
+    if (!lt_call(p, o, way, &call)) continue;
     ffi::Error err = ffi::Error::Success();
-    const LtPlan* plan = plan_for(*c.dh, p, o, c.t, epilogue, way == kLtFused && use_c(p), c.workspace_bytes, &err);
+    const LtPlan* plan = plan_for(*c.dh, p, call.o, c.t, call.epilogue, call.with_c, c.workspace_bytes, &err);
     const int n = plan ? std::min(int(plan->algos.size()), kLtAlgos) : 0;
     for (int i = 0; i < n; ++i)
       (*names)[way * kLtAlgos + i] = std::string(way == kLtFused ? "lt" : "lt+pass") + "#" + std::to_string(i);

@@ -20,8 +20,9 @@ struct PassArgs {
   int64_t m, n, batch, stride_bias, stride_c;
   const void* bias;  // null: no bias (or !with_bias_c)
   const void* c;     // null: no C (or !with_bias_c)
+  const void* src;   // the GEMM's output: Y, or Z (from_z)
   void* y;
-  void* z;           // null: Z not stored
+  void* z;           // null: Z not stored (or from_z: Z is the source)
   double beta, slope;
   BiasKind bias_kind;
 };
@@ -35,6 +36,7 @@ __global__ void __launch_bounds__(256) epilogue_kernel(const PassArgs a) {
   const F beta = F(a.beta), slope = F(a.slope);
   for (int64_t b = blockIdx.z; b < a.batch; b += gridDim.z) {
     T* y = static_cast<T*>(a.y) + b * a.m * a.n;
+    const T* src = static_cast<const T*>(a.src) + b * a.m * a.n;
     T* z = a.z ? static_cast<T*>(a.z) + b * a.m * a.n : nullptr;
     const T* c = a.c ? static_cast<const T*>(a.c) + b * a.stride_c : nullptr;
     const T* bias = a.bias ? static_cast<const T*>(a.bias) + b * a.stride_bias : nullptr;
@@ -44,7 +46,7 @@ __global__ void __launch_bounds__(256) epilogue_kernel(const PassArgs a) {
       bias_col[j] = bias && a.bias_kind != BiasKind::kPerRow ? load<F>(bias[bias_index(a.bias_kind, 0, col + j)]) : F(0);
     for (int64_t r = int64_t(blockIdx.y) * blockDim.y + threadIdx.y; r < a.m; r += int64_t(gridDim.y) * blockDim.y) {
       const int64_t off = r * a.n + col;
-      const W yv = load_pack<T, V>(y + off);
+      const W yv = load_pack<T, V>(src + off);
       F v[V];
 #pragma unroll
       for (int j = 0; j < V; ++j) v[j] = load<F>(yv.v[j]) + bias_col[j];
@@ -83,8 +85,8 @@ template <class T, class M>
 cudaError_t launch_t(const PassArgs& a, Act act, cudaStream_t stream) {
   constexpr int V = kVec<T>;
   // Vectors need every row start (n), C's batch stride and the buffers on 16 bytes.
-  const bool vec = a.n % V == 0 && (!a.c || a.stride_c % V == 0) && aligned16(a.y) && (!a.z || aligned16(a.z)) &&
-                   (!a.c || aligned16(a.c));
+  const bool vec = a.n % V == 0 && (!a.c || a.stride_c % V == 0) && aligned16(a.y) && aligned16(a.src) &&
+                   (!a.z || aligned16(a.z)) && (!a.c || aligned16(a.c));
   return vec ? launch_v<T, V, M>(a, act, stream) : launch_v<T, 1, M>(a, act, stream);
 }
 
@@ -96,12 +98,13 @@ cudaError_t launch_math(const PassArgs& a, Act act, bool fast, cudaStream_t stre
 }  // namespace
 
 const char* epilogue_pass(const GemmProblem& p, const GemmOperands& o, bool with_bias_c, bool fast_math,
-                          cudaStream_t stream) {
+                          cudaStream_t stream, bool from_z) {
   if (p.m == 0 || p.n == 0 || p.batch == 0) return nullptr;
   const bool use_c = with_bias_c && p.has_c && p.beta != 0.0;
   const PassArgs a{p.m, p.n, p.batch, p.stride_bias, p.stride_c,
                    with_bias_c && p.bias_kind != BiasKind::kNone ? o.bias : nullptr,
-                   use_c ? o.c : nullptr, o.y, o.z, p.beta, p.slope, p.bias_kind};
+                   use_c ? o.c : nullptr, from_z ? o.z : o.y, o.y, from_z ? nullptr : o.z,
+                   p.beta, p.slope, p.bias_kind};
   cudaError_t e = cudaErrorInvalidValue;
   switch (p.dtype) {
     case DType::kF32: e = launch_math<float>(a, p.act, fast_math, stream); break;

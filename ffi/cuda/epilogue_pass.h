@@ -7,7 +7,9 @@
 // Z, bias and C included); the pass computes, in the accumulation type,
 //     v = Y + beta C + bias      (the terms only when with_bias_c)
 //     Z = v (when o.z),  Y = act(v)
-// reading Y once and writing it (and Z) once.
+// reading Y once and writing it (and Z) once. from_z: the GEMM wrote the whole
+// Z into Z's buffer itself, and the pass reads Z and writes Y alone (two M x N
+// passes instead of three).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -20,6 +22,6 @@ namespace regemm {
 // fused CUTLASS epilogue computes it), else the precise forms (as the SIMT
 // kernel does). Returns null, or the launch's CUDA error string.
 const char* epilogue_pass(const GemmProblem& p, const GemmOperands& o, bool with_bias_c, bool fast_math,
-                          cudaStream_t stream);
+                          cudaStream_t stream, bool from_z = false);
 
 }  // namespace regemm
