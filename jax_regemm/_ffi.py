@@ -110,8 +110,8 @@ def _sized(target, size_of, *dims):
         return sizes.pop()
     raise ValueError(
         f"jax_regemm: {target} on CUDA sizes its workspace from these dims, which must be static: {dims}. "
-        "Export for CUDA with symbolic dims where the workspace does not depend on them: the rows of a GEMM "
-        "(x's leading dims) except in an f32 x @ w at default precision; not M or N where a bias gradient is taken"
+        "Export for CUDA with symbolic dims where the workspace does not depend on them: not M or N where a "
+        "bias gradient is taken (the partial sums of the bias gradient are in the workspace)"
     )
 
 
@@ -120,20 +120,15 @@ def _workspace_bytes(platform, target, avals_in, attrs):
     if platform != "cuda" or _regemm_cuda is None or np.dtype(avals_in[0].dtype).name not in _WORKSPACE_DTYPES:
         return 0  # (an unsupported dtype: the handler says so, with the shapes)
     dtype = np.dtype(avals_in[0].dtype).name
-    if target in (GEMM_TARGET, DGRAD_DACT_TARGET):
+    if target == GEMM_TARGET:
+        return _regemm_cuda.gemm_workspace_bytes()
+    if target == DGRAD_DACT_TARGET:
         a, b = avals_in[:2]
-        nb = a.ndim - 2
         m = a.shape[-1] if attrs["trans_a"] else a.shape[-2]
-        k, n = (b.shape[-1], b.shape[-2]) if attrs["trans_b"] else (b.shape[-2], b.shape[-1])
-        flags = (attrs["trans_a"], attrs["trans_b"], attrs["exact_f32"])
-        if target == GEMM_TARGET:
-            size = lambda k, n, batch_b: _regemm_cuda.gemm_workspace_bytes(dtype, k, n, batch_b, *flags)
-            return _sized(target, size, k, n, math.prod(b.shape[:nb]))
+        n = b.shape[-2] if attrs["trans_b"] else b.shape[-1]
         batch = math.prod(jnp.broadcast_shapes(*(x.shape[:-2] for x in avals_in)))
-        size = lambda m, n, k, batch, batch_b: _regemm_cuda.dgrad_dact_workspace_bytes(
-            dtype, m, n, k, batch, batch_b, attrs["bias_kind"], *flags
-        )
-        return _sized(target, size, m, n, k, batch, math.prod(b.shape[:nb]))
+        size = lambda m, n, batch: _regemm_cuda.dgrad_dact_workspace_bytes(dtype, m, n, batch, attrs["bias_kind"])
+        return _sized(target, size, m, n, batch)
     gy, s = avals_in
     if attrs["bias_kind"] == "none":
         return 0  # the partial bias sums are the whole workspace

@@ -56,15 +56,12 @@ NB_MODULE(_regemm_cuda, m) {
     if (!regemm::parse_dtype(name, &t)) throw nb::value_error(("regemm: unsupported dtype " + name).c_str());
     return t;
   };
-  m.def("gemm_workspace_bytes",
-        [dtype](const std::string& t, int64_t k, int64_t n, int64_t batch_b, bool trans_a, bool trans_b,
-                bool exact_f32) { return regemm::gemm_workspace_bytes(dtype(t), k, n, batch_b, trans_a, trans_b, exact_f32); });
+  m.def("gemm_workspace_bytes", [] { return regemm::gemm_workspace_bytes(); });
   m.def("dgrad_dact_workspace_bytes",
-        [dtype](const std::string& t, int64_t m, int64_t n, int64_t k, int64_t batch, int64_t batch_b,
-                const std::string& kind, bool trans_a, bool trans_b, bool exact_f32) {
+        [dtype](const std::string& t, int64_t m, int64_t n, int64_t batch, const std::string& kind) {
           regemm::BiasKind b;
           if (!regemm::parse_bias_kind(kind, &b)) throw nb::value_error(("regemm: unknown bias kind " + kind).c_str());
-          return regemm::dgrad_dact_workspace_bytes(dtype(t), m, n, k, batch, batch_b, b, trans_a, trans_b, exact_f32);
+          return regemm::dgrad_dact_workspace_bytes(dtype(t), m, n, batch, b);
         });
   m.def("dact_workspace_bytes", [dtype](const std::string& t, int64_t m, int64_t n, int64_t batch, const std::string& kind) {
     regemm::BiasKind k;

@@ -32,25 +32,14 @@ inline constexpr size_t kGemmWorkspaceBytes = size_t(31) << 20;
 // regemm_dact: the tiles' partial bias sums (0 without a bias).
 size_t dact_workspace_bytes(DType t, int64_t m, int64_t n, int64_t batch, BiasKind kind);
 
-// The largest transposed B (f32 x @ w on CUTLASS's TF32 kernel) a GEMM's
-// workspace holds. Beyond it the CUTLASS way runs its register-A kernel
-// without B^T, and the tuner takes cuBLASLt, which won at every such shape
-// measured on the H100 with B^T too (4096x4096x4096: 334 us against 467;
-// 16384x2048x2048: 381 against 427), so reserving it only raised the peak
-// (the f32 4096x4096x4 training step held 1.48x XLA's temporaries).
-inline constexpr size_t kMaxTransposedBBytes = size_t(4) << 20;
-
-// regemm_gemm: a library GEMM's workspace, plus (f32 at default precision,
-// x @ w) the K x N transposed B for each of the `batch_b` distinct Bs, where
-// they fit in kMaxTransposedBBytes.
-inline size_t gemm_workspace_bytes(DType t, int64_t k, int64_t n, int64_t batch_b, bool trans_a, bool trans_b,
-                                   bool exact_f32) {
-  size_t bytes = kGemmWorkspaceBytes + kWorkspaceAlign;
-  const size_t bt = size_t(k * n * batch_b) * 4;
-  if (t == DType::kF32 && !exact_f32 && !trans_a && !trans_b && bt <= kMaxTransposedBBytes)
-    bytes += bt + kWorkspaceAlign;
-  return bytes;
-}
+// regemm_gemm: a library GEMM's workspace. No way needs more at once: the
+// CUTLASS f32 x @ w way takes its transposed B from the start of it where B^T
+// fits (cutlass_dispatch.cu; else its kernel runs without B^T) and its own
+// requests from behind B^T. So the call's workspace is the size of XLA's own
+// cuBLAS workspaces whatever B is: with B^T reserved on top of it (up to 4 MiB),
+// XLA's buffer assignment gave the f32 32768x512x12 relu step a slot of its own
+// (its temporaries 1.04x XLA's, results/h100_train_full.md).
+inline size_t gemm_workspace_bytes() { return kGemmWorkspaceBytes + kWorkspaceAlign; }
 
 // regemm_dgrad_dact's CUTLASS kernel: f32 partial sums of the bias gradient,
 // one row per 128-row tile, N rounded up to the widest tile (256).
@@ -62,9 +51,8 @@ inline size_t dgrad_partials_bytes(int64_t m, int64_t n, int64_t batch) {
 // regemm_dgrad_dact: the GEMM's workspace after the partial sums (the fused
 // kernel), or the GEMM's and then the dact pass's, one after the other (the
 // composed way; cuBLASLt's DGELU matmul, then the bias gradient).
-inline size_t dgrad_dact_workspace_bytes(DType t, int64_t m, int64_t n, int64_t k, int64_t batch, int64_t batch_b,
-                                         BiasKind kind, bool trans_a, bool trans_b, bool exact_f32) {
-  const size_t gemm = gemm_workspace_bytes(t, k, n, batch_b, trans_a, trans_b, exact_f32);
+inline size_t dgrad_dact_workspace_bytes(DType t, int64_t m, int64_t n, int64_t batch, BiasKind kind) {
+  const size_t gemm = gemm_workspace_bytes();
   const size_t fused = gemm + (kind == BiasKind::kNone ? 0 : dgrad_partials_bytes(m, n, batch) + kWorkspaceAlign);
   const size_t dact = dact_workspace_bytes(t, m, n, batch, kind);
   return fused > dact ? fused : dact;
