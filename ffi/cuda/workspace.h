@@ -37,8 +37,8 @@ size_t dact_workspace_bytes(DType t, int64_t m, int64_t n, int64_t batch, BiasKi
 // fits (cutlass_dispatch.cu; else its kernel runs without B^T) and its own
 // requests from behind B^T. So the call's workspace is the size of XLA's own
 // cuBLAS workspaces whatever B is: with B^T reserved on top of it (up to 4 MiB),
-// XLA's buffer assignment gave the f32 32768x512x12 relu step a slot of its own
-// (its temporaries 1.04x XLA's, results/h100_train_full.md).
+// those calls did not fit XLA's 32 MiB slots (the f32 8192x1024x4 gelu training
+// step's temporaries 291 MiB against 264 now, results/h200_train_memory_workspace.md).
 inline size_t gemm_workspace_bytes() { return kGemmWorkspaceBytes + kWorkspaceAlign; }
 
 // regemm_dgrad_dact's CUTLASS kernel: f32 partial sums of the bias gradient,
