@@ -140,7 +140,7 @@ def run_shape(kind, m, k, n, depth, dtype_name, acts, modes, repeats, n_sets):
         if "_regemm_" in name:
             rg.autotune(fn, *arg_sets[0])
     times = device_times_ms(cases, repeats=repeats)
-    walls = {name: devtime.pipelined_ms(fn, arg_sets) for name, (fn, arg_sets) in cases.items()}
+    walls = devtime.pipelined_ms(cases)
     x, w, b, _ = sets[0]
     records = []
     for act in acts:

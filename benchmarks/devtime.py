@@ -92,19 +92,24 @@ def device_times_ms(cases, repeats=20, pause_s=1e-2):
     return result
 
 
-def pipelined_ms(fn, arg_sets, n=50, repeats=5):
-    """Wall clock per call of fn, calls pipelined as a program issues them (n calls over the
-    rotated arg sets, blocked once at the end), median of repeats after warm-up: device time
-    plus whatever host time the calls do not hide."""
-    for args in arg_sets:
-        jax.block_until_ready(fn(*args))
-    ts = []
+def pipelined_ms(cases, n=50, repeats=5):
+    """{name: (fn, arg_sets)} -> {name: wall clock per call}: n calls of fn pipelined as a
+    program issues them (over the rotated arg sets, blocked once at the end), median of
+    repeats after warm-up: device time plus whatever host time the calls do not hide. The
+    cases' loops take turns, repeat by repeat, so that drift in the machine's state (the
+    GPU's clock at its power cap, the host) falls on every case alike rather than on
+    whichever ran last."""
+    for fn, arg_sets in cases.values():
+        for args in arg_sets:
+            jax.block_until_ready(fn(*args))
+    ts = {name: [] for name in cases}
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        out = [fn(*arg_sets[i % len(arg_sets)]) for i in range(n)]
-        jax.block_until_ready(out)
-        ts.append((time.perf_counter() - t0) / n * 1e3)
-    return statistics.median(ts)
+        for name, (fn, arg_sets) in cases.items():
+            t0 = time.perf_counter()
+            out = [fn(*arg_sets[i % len(arg_sets)]) for i in range(n)]
+            jax.block_until_ready(out)
+            ts[name].append((time.perf_counter() - t0) / n * 1e3)
+    return {name: statistics.median(t) for name, t in ts.items()}
 
 
 def host_median_ms(fn, *args, repeats=20):
