@@ -87,23 +87,28 @@ memory wrap(const memory::desc& d, const void* p) { return memory(d, engine(), c
 // for f32 (1.18 against 1.22-1.26), so f32 keeps the problem's strides.
 bool dense_batch(const GemmProblem& p) { return p.dtype != DType::kF32; }
 
+// A plan operand's batch stride: the dense one where `dense` and the batch dim is
+// 1, else `whole` (the problem's).
+int64_t batch_stride(bool dense, int64_t nb, int64_t rows, int64_t cols, int64_t whole) {
+  return dense && nb == 1 ? rows * cols : whole;
+}
+
 // A [batch, rows, cols] operand stored row-major ([rows, cols]) or transposed
 // ([cols, ld]: `rows` of its ld columns), problem b at b * stride (stride 0:
-// shared, a batch dim of 1); `dense`: a batch dim of 1 strided rows * cols.
+// shared, a batch dim of 1).
 memory::desc operand(memory::data_type t, int64_t batch, int64_t stride, int64_t rows, int64_t cols, bool trans,
                      int64_t ld, bool dense) {
   const int64_t nb = stride == 0 ? 1 : batch;
-  const int64_t bs = dense && nb == 1 ? rows * cols : stride == 0 ? ld * cols : stride;
+  const int64_t bs = batch_stride(dense, nb, rows, cols, stride == 0 ? ld * cols : stride);
   return memory::desc({nb, rows, cols}, t, trans ? memory::dims{bs, 1, ld} : memory::dims{bs, cols, 1});
 }
 
-memory::desc bias_desc(const GemmProblem& p, int64_t rows, memory::data_type t) {
+memory::desc bias_desc(const GemmProblem& p, int64_t rows, memory::data_type t, bool dense) {
   const int64_t nb = p.stride_bias == 0 ? 1 : p.batch;
   const int64_t brows = p.bias_kind == BiasKind::kPerRow ? rows : 1;
   const int64_t cols = p.bias_kind == BiasKind::kPerCol ? p.n : 1;
-  const int64_t bs = dense_batch(p) && nb == 1 ? brows * cols
-                     : p.stride_bias == 0      ? bias_length(p.bias_kind, p.m, p.n)
-                                               : p.stride_bias;
+  const int64_t bs =
+      batch_stride(dense, nb, brows, cols, p.stride_bias == 0 ? bias_length(p.bias_kind, p.m, p.n) : p.stride_bias);
   return memory::desc({nb, brows, cols}, t, memory::dims{bs, cols, 1});
 }
 
@@ -126,7 +131,7 @@ std::unique_ptr<Plan> build(const GemmProblem& p, int64_t rows) {
   const bool dense = dense_batch(p);
   plan->a = operand(t, p.batch, p.stride_a, rows, p.k, p.trans_a, p.m, dense);
   plan->b = operand(t, p.batch, p.stride_b, p.k, p.n, p.trans_b, p.k, dense);
-  plan->d = memory::desc({p.batch, rows, p.n}, t, memory::dims{dense && p.batch == 1 ? rows * p.n : p.m * p.n, p.n, 1});
+  plan->d = memory::desc({p.batch, rows, p.n}, t, memory::dims{batch_stride(dense, p.batch, rows, p.n, p.m * p.n), p.n, 1});
   dnnl::primitive_attr attr;
   attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
   if (p.alpha != 1.0) attr.set_scales_mask(DNNL_ARG_SRC, 0);
@@ -140,7 +145,7 @@ std::unique_ptr<Plan> build(const GemmProblem& p, int64_t rows) {
   if (p.bias_kind == BiasKind::kNone) {
     pd = dnnl::matmul::primitive_desc(e, plan->a, plan->b, plan->d, attr);
   } else {
-    plan->bias = bias_desc(p, rows, t);
+    plan->bias = bias_desc(p, rows, t, dense);
     pd = dnnl::matmul::primitive_desc(e, plan->a, plan->b, plan->bias, plan->d, attr);
   }
   plan->matmul = dnnl::matmul(pd);
