@@ -69,8 +69,9 @@ def test_dgrad_dact_bias_kinds_transposes_batches(rand, kind, ta, tb):
 
 
 # ---------------------------------------------------------------------------
-# The GPU's fused kernel (CUTLASS sm90: the act' in the dgrad GEMM's epilogue,
-# the bias gradient from per-tile partial sums; opt-in, REGEMM_FUSED_DGRAD=1).
+# The GPU's fused kernel (CUTLASS sm90: the act' in the dgrad GEMM's epilogue, S
+# an aux load; the bias gradient summed from the stored gZ by the dact pass;
+# opt-in, REGEMM_FUSED_DGRAD=1).
 # Skips without it.
 # ---------------------------------------------------------------------------
 
@@ -102,17 +103,21 @@ def _fused_case(rand, dtype, ta_shape_b, act, from_y, kind, batch=(), m=300, n=2
     return f, (a, b, jnp.asarray(s, dtype)), gz_ref, gb_ref
 
 
+# Every act slot's kernel (cutlass_dgrad.h, dgrad_act_slot): the cheap forms from Z and from Y
+# (slot 0), and each costly one from Z (a kernel each).
+SLOT_FORMS = [("relu", True), ("leaky_relu", False), ("tanh", False), ("sigmoid", True), ("gelu", False),
+              ("gelu_erf", False), ("sigmoid", False), ("silu", False)]  # fmt: skip
+
+
 @gpu
-@pytest.mark.parametrize("config", ["ping128x128c1", "coop128x256"])
 @pytest.mark.parametrize("dtype,tb", [(jnp.bfloat16, True), (jnp.bfloat16, False), (jnp.float16, True), (jnp.float32, True)])
-@pytest.mark.parametrize("act,from_y", [("gelu", False), ("relu", True), ("gelu_erf", False)])
-def test_fused_kernel_against_numpy(rand, monkeypatch, config, dtype, tb, act, from_y):
-    """Partial tiles in M (300) and N (200), both configurations: one launch of the fused kernel
-    per call, gZ and the bias gradient against float64 NumPy, and gZ as the composed way's
-    (GEMM, then the dact pass, the default) within the dtype's tolerance."""
+@pytest.mark.parametrize("act,from_y", SLOT_FORMS)
+def test_fused_kernel_against_numpy(rand, monkeypatch, dtype, tb, act, from_y):
+    """Partial tiles in M (300) and N (200), every act slot's kernel: one launch of the fused
+    kernel per call, gZ and the bias gradient against float64 NumPy, and gZ as the composed
+    way's (GEMM, then the dact pass, the default) within the dtype's tolerance."""
     from conftest import tol
 
-    monkeypatch.setenv("REGEMM_CUTLASS_CONFIG", config)
     monkeypatch.setenv("REGEMM_FUSED_DGRAD", "1")  # opt-in (cutlass_registry.cu says why)
     f, args, gz_ref, gb_ref = _fused_case(rand, dtype, tb, act, from_y, "per_col")
     n0 = CUDA.cutlass_dgrad_dact_launches()
@@ -128,8 +133,8 @@ def test_fused_kernel_against_numpy(rand, monkeypatch, config, dtype, tb, act, f
 
 @gpu
 def test_fused_kernel_batches_and_no_bias(rand, monkeypatch):
-    """A batch of per-entry operands (CUTLASS's L mode: per-entry partial sums), and no bias
-    gradient (no partials at all); the bias gradient is the same bits on every run."""
+    """A batch of per-entry operands (CUTLASS's L mode, a bias gradient per entry), and no bias
+    gradient (the GEMM alone); the bias gradient is the same bits on every run."""
     monkeypatch.setenv("REGEMM_FUSED_DGRAD", "1")
     f, args, gz_ref, gb_ref = _fused_case(rand, jnp.bfloat16, True, "gelu", False, "per_col", batch=(3,))
     n0 = CUDA.cutlass_dgrad_dact_launches()

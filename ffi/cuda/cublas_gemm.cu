@@ -370,11 +370,13 @@ bool matmul_into_z(const GemmProblem& p, const GemmOperands& o) {
 }
 
 // The matmul of `way` for p: its epilogue, its operands (D is Y, or Z where
-// matmul_into_z) and whether it adds C; false where the way does not apply.
+// matmul_into_z: into_z) and whether it adds C; false where the way does not
+// apply.
 struct LtCall {
   cublasLtEpilogue_t epilogue;
   GemmOperands o;
   bool with_c;
+  bool into_z = false;
 };
 bool lt_call(const GemmProblem& p, const GemmOperands& o, Way way, LtCall* c) {
   c->o = o;
@@ -383,10 +385,10 @@ bool lt_call(const GemmProblem& p, const GemmOperands& o, Way way, LtCall* c) {
     return lt_epilogue(p, o, &c->epilogue);
   }
   if (way != kLtPass || p.is_plain_gemm()) return false;
-  const bool into_z = matmul_into_z(p, o);
-  c->epilogue = into_z && p.bias_kind == BiasKind::kPerCol ? CUBLASLT_EPILOGUE_BIAS : CUBLASLT_EPILOGUE_DEFAULT;
-  c->with_c = into_z && use_c(p);
-  if (into_z) c->o.y = o.z;
+  c->into_z = matmul_into_z(p, o);
+  c->epilogue = c->into_z && p.bias_kind == BiasKind::kPerCol ? CUBLASLT_EPILOGUE_BIAS : CUBLASLT_EPILOGUE_DEFAULT;
+  c->with_c = c->into_z && use_c(p);
+  if (c->into_z) c->o.y = o.z;
   return true;
 }
 
@@ -444,7 +446,7 @@ ffi::Error run_lt(const GemmProblem& p, const GemmOperands& o, Way way, int algo
   LtCall call;
   if (!lt_call(p, o, way, &call)) return ffi::Error::Success();
   if (auto e = lt_matmul(p, call.o, call.epilogue, call.with_c, algo, c, rt, ran); e.failure() || !*ran) return e;
-  return way == kLtPass ? pass_after(p, o, rt, /*from_z=*/call.o.y != o.y) : ffi::Error::Success();
+  return way == kLtPass ? pass_after(p, o, rt, /*from_z=*/call.into_z) : ffi::Error::Success();
 }
 
 // cublasGemmStridedBatchedEx picks its own algorithm; then the pass.

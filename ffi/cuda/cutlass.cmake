@@ -150,8 +150,8 @@ endforeach()
 
 # regemm_dgrad_dact's kernels (cutlass_dgrad_inst.cu.in): A not transposed, B
 # transposed (the weights of rg.mlp, flax and nnx) or not (bf16: Equinox's [out,
-# in] weights; f32 there would be the transposed-problem layout), in the
-# configurations of kDgradConfigs (cutlass_kernels.h; cutlass_prebuild.sh has the same list).
+# in] weights; f32 there would be the transposed-problem layout), one per act
+# slot (cutlass_dgrad.h, dgrad_act_slot; cutlass_prebuild.sh has the same list).
 set(_regemm_cutlass_dgrad_kernels bf16:false bf16:true f16:true f32:true)
 foreach(_k IN LISTS _regemm_cutlass_dgrad_kernels)
   string(REPLACE ":" ";" _k "${_k}")
@@ -160,12 +160,12 @@ foreach(_k IN LISTS _regemm_cutlass_dgrad_kernels)
   if(NOT _dt IN_LIST REGEMM_CUTLASS_DTYPES)
     continue()
   endif()
-  foreach(_cfg kPing128x128c1 kCoop128x256)
+  foreach(_slot RANGE 4)
     set(REGEMM_DT ${_regemm_cutlass_enum_${_dt}})
     set(REGEMM_TB ${_tb})
-    set(REGEMM_CFG ${_cfg})
+    set(REGEMM_SLOT ${_slot})
     string(SUBSTRING ${_tb} 0 1 _b)
-    set(_name "cutlass_dgrad_${_dt}_f${_b}_${_regemm_cutlass_short_${_cfg}}")
+    set(_name "cutlass_dgrad_${_dt}_f${_b}_a${_slot}")
     if(_regemm_cutlass_use_prebuilt_dgrad AND EXISTS "${REGEMM_CUTLASS_PREBUILT}/${_name}.o")
       list(APPEND _regemm_cutlass_prebuilt_objs "${REGEMM_CUTLASS_PREBUILT}/${_name}.o")
     else()

@@ -1,14 +1,22 @@
 // regemm_dgrad_dact's GEMM as a CUTLASS 3.x sm90 kernel: the dgrad GEMM of a
-// layer with the backward epilogue of the layer below it in its epilogue
-// visitor tree,
+// layer with the act' of the layer below it in its epilogue,
 //
-//   gZ = (alpha * acc) * act'(S)          S (Z, or Y when from_y) read as C
-//   partials[tile_m][j] = sum of gZ[i][j] over the tile's 128 rows   (f32)
+//   gZ = (alpha * acc) * act'(S)          S (Z, or Y when from_y) an aux load
 //
-// gZ is rounded to the output type before the reduction sums it (the bias
-// gradient sums gZ as stored, as the dact kernels do); the partials are summed
-// in order afterwards (cutlass_dispatch.cu), so the bias gradient is
-// deterministic. The GEMM itself is cutlass_gemm.cuh's, with this epilogue.
+// through CUTLASS's LinCombDeEltAct (D = f(alpha * acc + beta * C, aux)) with
+// this act' as f. The bias gradient is not here: the registry entry sums the
+// stored gZ afterwards with the dact kernel's read-only pass
+// (cutlass_registry.cu), as the cuBLASLt DGELU way does.
+//
+// Two choices make it run near the plain GEMM's speed at the narrow MLP's
+// small K, where the epilogue is most of a tile's time (tools/tile_bench,
+// 32768x512x512 bf16 relu on the H100: about 48 us against cuBLAS's plain
+// GEMM's 35; the same kernel with every act' form behind one run-time switch
+// with out-of-line calls, 64):
+// - no C (ElementC = void): no C buffers in shared memory, and the builder
+//   delays each subtile's TMA store behind the next subtile's math;
+// - one act' slot per kernel (cutlass_dgrad.h, dgrad_act_slot): the cheap
+//   forms inline behind a switch, each costly one in a kernel of its own.
 //
 // Included only by the generated instantiation TUs (cutlass_dgrad_inst.cu.in).
 #pragma once
@@ -40,20 +48,10 @@ CUTLASS_HOST_DEVICE void dact_fragment(cutlass::Array<T, N>& g, cutlass::Array<T
   }
 }
 
-#if defined(__CUDA_ARCH__)
-template <Act A, class Out, class T, int N>
-__device__ __noinline__ cutlass::Array<T, N> dact_fragment_call(cutlass::Array<T, N> acc, cutlass::Array<T, N> s,
-                                                                DactArgs a) {
-  cutlass::Array<T, N> g;
-  dact_fragment<A, false, Out>(g, acc, s, a);
-  return g;
-}
-#endif
-
-// Out: the stored type (the rounding). The costly act' forms (gelu, gelu_erf,
-// sigmoid, silu from Z) are out-of-line calls: one copy each, not one per
-// epilogue subtile (ActFn above says why).
-template <class T, class Out> struct DactFn {
+// Out: the stored type (the rounding). Slot: the act' forms this kernel
+// computes (cutlass_dgrad.h, dgrad_act_slot); the dispatch never hands it
+// another.
+template <class T, class Out, int Slot> struct DactFn {
   using Arguments = DactArgs;
   CUTLASS_HOST_DEVICE T operator()(T const& acc, T const& s, Arguments const& a) const {
     cutlass::Array<T, 1> g, x, y;
@@ -67,22 +65,15 @@ template <class T, class Out> struct DactFn {
   }
 };
 
-template <class T, int N, class Out> struct DactFn<cutlass::Array<T, N>, Out> {
+template <class T, int N, class Out, int Slot> struct DactFn<cutlass::Array<T, N>, Out, Slot> {
   using Arguments = DactArgs;
   using Frag = cutlass::Array<T, N>;
 
-  template <Act A>
-  static CUTLASS_HOST_DEVICE void costly(Frag& g, Frag const& acc, Frag const& s, Arguments const& a) {
-#if defined(__CUDA_ARCH__)
-    g = dact_fragment_call<A, Out>(acc, s, a);
-#else
-    dact_fragment<A, false, Out>(g, acc, s, a);
-#endif
-  }
-
   CUTLASS_HOST_DEVICE Frag operator()(Frag const& acc, Frag const& s, Arguments const& a) const {
     Frag g;
-    if (a.from_y) {  // relu, leaky_relu, sigmoid, tanh: a few instructions each
+    if constexpr (Slot > 0) {
+      dact_fragment<kOneActs[Slot - 1], false, Out>(g, acc, s, a);
+    } else if (a.from_y) {  // uniform across the kernel: no divergence
       switch (Act(a.act)) {
         case Act::kRelu: dact_fragment<Act::kRelu, true, Out>(g, acc, s, a); break;
         case Act::kLeakyRelu: dact_fragment<Act::kLeakyRelu, true, Out>(g, acc, s, a); break;
@@ -90,107 +81,70 @@ template <class T, int N, class Out> struct DactFn<cutlass::Array<T, N>, Out> {
         case Act::kTanh: dact_fragment<Act::kTanh, true, Out>(g, acc, s, a); break;
         default: dact_fragment<Act::kNone, true, Out>(g, acc, s, a);
       }
-      return g;
-    }
-    switch (Act(a.act)) {  // uniform across the kernel: no divergence
-      case Act::kRelu: dact_fragment<Act::kRelu, false, Out>(g, acc, s, a); break;
-      case Act::kLeakyRelu: dact_fragment<Act::kLeakyRelu, false, Out>(g, acc, s, a); break;
-      case Act::kTanh: dact_fragment<Act::kTanh, false, Out>(g, acc, s, a); break;
-      case Act::kGelu: costly<Act::kGelu>(g, acc, s, a); break;
-      case Act::kGeluErf: costly<Act::kGeluErf>(g, acc, s, a); break;
-      case Act::kSigmoid: costly<Act::kSigmoid>(g, acc, s, a); break;
-      case Act::kSilu: costly<Act::kSilu>(g, acc, s, a); break;
-      default: dact_fragment<Act::kNone, false, Out>(g, acc, s, a);
+    } else {
+      switch (Act(a.act)) {
+        case Act::kRelu: dact_fragment<Act::kRelu, false, Out>(g, acc, s, a); break;
+        case Act::kLeakyRelu: dact_fragment<Act::kLeakyRelu, false, Out>(g, acc, s, a); break;
+        case Act::kTanh: dact_fragment<Act::kTanh, false, Out>(g, acc, s, a); break;
+        default: dact_fragment<Act::kNone, false, Out>(g, acc, s, a);
+      }
     }
     return g;
   }
 };
 
-template <class Out> struct DactFnOf {
-  template <class T> using Fn = DactFn<T, Out>;
+template <class Out, int Slot> struct DactFnOf {
+  template <class T> using Fn = DactFn<T, Out, Slot>;
 };
 
-// The fusion "operation" tag of the dgrad GEMM's epilogue: D row-major, the
-// bias gradient's per-tile partial sums as a row vector per 128-row tile.
-template <class ElementOutput_, class ElementCompute_, class ElementSource_>
-struct DgradDactFusion : cutlass::epilogue::fusion::FusionOperation {
-  using ElementOutput = ElementOutput_;
-  using ElementCompute = ElementCompute_;
-  static constexpr auto RoundStyle = cutlass::FloatRoundStyle::round_to_nearest;
-  using ElementSource = ElementSource_;
-  static constexpr bool IsSourceSupported = true;
+// The kernel: the mainloop of cutlass_gemm.cuh's GemmTypeOf (A row-major, B
+// as stored), this epilogue without C. A type of its own rather than
+// GemmTypeOf's, whose epilogue always has a C (beta * C in the forward) and
+// whose header is in the forward kernels' stamp (cutlass.cmake).
+template <DType D, bool TB, class Cfg, int Slot>
+struct DgradGemmOf {
+  using T = typename Elem<D>::type;
+  static constexpr int kAlign = 16 / int(sizeof(T));  // TMA: 16-byte rows
+  static_assert(D != DType::kF32 || TB, "TF32 wgmma takes B K-major: the f32 dgrad kernels are built with B transposed");
+  using RowMajor = cutlass::layout::RowMajor;
+  using LayoutB = std::conditional_t<TB, cutlass::layout::ColumnMajor, RowMajor>;
+  using Fusion = cutlass::epilogue::fusion::LinCombDeEltAct<RowMajor, DactFnOf<T, Slot>::template Fn, T, float, T,
+                                                            T, float>;
+  using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Cfg::Tile, typename Cfg::Cluster,
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, RowMajor, kAlign, T, RowMajor, kAlign,
+      typename Cfg::Epilogue, Fusion>::CollectiveOp;
+  using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, T, RowMajor, kAlign, T, LayoutB, kAlign, float,
+      typename Cfg::Tile, typename Cfg::Cluster,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
+          sizeof(typename CollectiveEpilogue::SharedStorage))>,
+      typename Cfg::Mainloop>::CollectiveOp;
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, CollectiveMainloop,
+                                                      CollectiveEpilogue, typename Cfg::Scheduler>;
 };
 
-namespace evt {  // (cutlass_epilogue.cuh's: its names and kRound)
-
-// gZ = (alpha acc) act'(S), with the column sums of each CTA tile's gZ written
-// to a [tiles_m, round_up(N, tile_n)] f32 buffer (FinalReduction false: no
-// atomics, no tile counters; the sum over tiles is a kernel of its own, in order).
-template <class CtaTile, class EO, class EC, class ES>
-using DgradDactTree =
-    Sm90EVT<Sm90RowReduction<cutlass::plus, cutlass::plus, cutlass::plus, 0, CtaTile, EC, EC, kRound,
-                             Stride<_0, _1, int64_t>, 128 / cutlass::sizeof_bits<EC>::value, true, false>,  // partials
-      Sm90EVT<Sm90Compute<DactFnOf<EO>::template Fn, EC, EC, kRound>,                                       // gZ
-        Sm90AccFetch,                                                                                       //   acc
-        Sm90SrcFetch<ES>>>;                                                                                 //   S
-}  // namespace evt
-
-}  // namespace regemm::cutlass_sm90
-
-namespace cutlass::epilogue::fusion {
-
-template <int StagesC, int StagesD, int FragmentSize, bool ReuseSmemC, bool DelayTmaStore, class EO, class EC,
-          class ES, class CtaTileShapeMNK, class EpilogueTile>
-struct FusionCallbacks<epilogue::Sm90TmaWarpSpecialized<StagesC, StagesD, FragmentSize, ReuseSmemC, DelayTmaStore>,
-                       regemm::cutlass_sm90::DgradDactFusion<EO, EC, ES>, CtaTileShapeMNK, EpilogueTile>
-    : regemm::cutlass_sm90::evt::DgradDactTree<CtaTileShapeMNK, EO, EC, ES> {
-  using Impl = regemm::cutlass_sm90::evt::DgradDactTree<CtaTileShapeMNK, EO, EC, ES>;
-  using Operation = regemm::cutlass_sm90::DgradDactFusion<EO, EC, ES>;
-
-  struct Arguments {
-    regemm::cutlass_sm90::DactArgs dact = {};
-    EC* partials = nullptr;        // null: no bias gradient
-    int64_t partials_batch = 0;    // elements between batch entries' partials
-
-    operator typename Impl::Arguments() const {
-      using cute::_0;
-      using cute::_1;
-      return {  // partials
-          {  // gZ
-              {},     // acc
-              {},     // S
-              dact},
-          {partials, EC(0), {_0{}, _1{}, partials_batch}}};
-    }
-  };
-
-  using Impl::Impl;
-};
-
-}  // namespace cutlass::epilogue::fusion
-
-namespace regemm::cutlass_sm90 {
-
-// regemm_dgrad_dact's GEMM: gZ = (alpha op(A) op(B)) act'(S), S read as C, and
-// the bias gradient's per-tile partial sums (cutlass_dgrad.h, DgradOperands).
-template <DType D, bool TB, Config C>
+// regemm_dgrad_dact's GEMM: gZ = (alpha op(A) op(B)) act'(S) (cutlass_dgrad.h).
+template <DType D, bool TB, int Slot>
 Status run_dgrad_dact(const GemmProblem& p, const DactProblem& d, const DgradOperands& o, const Launch& l) {
-  using G = GemmType<D, false, TB, C, kAnyAct, DgradDactFusion<typename Elem<D>::type, float, typename Elem<D>::type>>;
-  static_assert(!G::kSwap, "the bias gradient's reduction runs along D's columns");
+  using G = DgradGemmOf<D, TB, ConfigTraits<kDgradConfig, kTileK<D>>, Slot>;
   using T = typename G::T;
   using K = typename G::Kernel;
   const bool one = p.batch == 1;
+  const int64_t d_batch = one ? 0 : p.m * p.n;
   typename G::CollectiveEpilogue::FusionCallbacks::Arguments fa;
-  fa.dact = DactArgs{int(d.act), float(d.slope), float(p.alpha), d.from_y};
-  fa.partials = o.partials;
-  fa.partials_batch = one ? 0 : o.partials_batch;
+  fa.alpha = 1.0f;  // alpha is the act' node's (DactFn), as in the dact kernels
+  fa.beta = 0.0f;
+  fa.activation = DactArgs{int(d.act), float(d.slope), float(p.alpha), d.from_y};
+  fa.aux_ptr = static_cast<const T*>(o.s);
+  fa.dAux = make_stride3<decltype(fa.dAux)>(p.n, one ? 0 : d.stride_s);
   typename K::Arguments args{
       cutlass::gemm::GemmUniversalMode::kGemm,
       {int(p.m), int(p.n), int(p.k), int(p.batch)},
       {static_cast<const T*>(o.a), make_stride3<typename K::StrideA>(p.lda(), one ? 0 : p.stride_a),
        static_cast<const T*>(o.b), make_stride3<typename K::StrideB>(p.ldb(), one ? 0 : p.stride_b)},
-      {fa, static_cast<const T*>(o.s), make_stride3<typename K::StrideC>(p.n, one ? 0 : d.stride_s),
-       static_cast<T*>(o.gz), make_stride3<typename K::StrideD>(p.n, one ? 0 : p.m * p.n)},
+      {fa, nullptr, make_stride3<typename K::StrideC>(p.n, d_batch), static_cast<T*>(o.gz),
+       make_stride3<typename K::StrideD>(p.n, d_batch)},
       hardware(l)};
   return enqueue<K>(args, l);
 }

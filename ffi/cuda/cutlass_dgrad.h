@@ -10,47 +10,55 @@
 
 namespace regemm::cutlass_sm90 {
 
-// regemm_dgrad_dact's GEMM (A not transposed): gZ = (alpha op(A) op(B)) act'(S)
-// with S read where C would be, and each 128-row tile's column sums of gZ in
-// `partials` (f32, [ceil(M / 128), round_up(N, tile N)] per batch entry,
-// partials_batch apart; null: no bias gradient), summed afterwards in order.
+// regemm_dgrad_dact's GEMM (A not transposed): gZ = (alpha op(A) op(B)) act'(S),
+// S read as an aux matrix (the bias gradient is summed from gZ afterwards).
 struct DgradOperands {
   const void* a;
   const void* b;
   const void* s;
   void* gz;
-  float* partials;
-  int64_t partials_batch;
 };
 using DgradRunFn = Status (*)(const GemmProblem&, const DactProblem&, const DgradOperands&, const Launch&);
-// The configurations built for it (cutlass.cmake, cutlass_prebuild.sh), and
-// the N extent of their tiles (the partials' row length rounds N up to it).
-inline constexpr Config kDgradConfigs[] = {Config::kPing128x128c1, Config::kCoop128x256};
-inline constexpr int kDgradTileM = 128;
-inline int64_t dgrad_tile_n(Config c) { return c == Config::kCoop128x256 ? 256 : 128; }
 
-// dtype x trans_b x config -> kernel.
+// The configuration they are built in: ping-pong, 128x128 tiles, no cluster
+// (its epilogue, with the act', overlaps the other
+// warpgroup's MMAs; the 128x256 cooperative tile was slower at every shape
+// measured, tools/tile_bench).
+inline constexpr Config kDgradConfig = Config::kPing128x128c1;
+
+// The act' forms of a kernel, its slot: 0 the cheap ones (relu, leaky_relu,
+// tanh and none from Z; every form from Y), inline behind one switch; 1 + i
+// kOneActs[i] from Z (gelu, gelu_erf, sigmoid, silu), a kernel each.
+inline constexpr int kNumDgradActSlots = 1 + kNumOneActs;
+inline int dgrad_act_slot(Act act, bool from_y) {
+  if (!from_y)
+    for (int i = 0; i < kNumOneActs; ++i)
+      if (act == kOneActs[i]) return 1 + i;
+  return 0;
+}
+
+// dtype x trans_b x act slot -> kernel.
 class DgradTable {
  public:
   static DgradTable& get() {
     static DgradTable table;
     return table;
   }
-  DgradRunFn find(DType t, bool tb, Config c) const {
+  DgradRunFn find(DType t, bool tb, int slot) const {
     const int d = KernelTable::dtype_slot(t);
-    return d < 0 ? nullptr : fns_[d][tb][int(c)];
+    return d < 0 ? nullptr : fns_[d][tb][slot];
   }
-  void set(DType t, bool tb, Config c, DgradRunFn fn) { fns_[KernelTable::dtype_slot(t)][tb][int(c)] = fn; }
+  void set(DType t, bool tb, int slot, DgradRunFn fn) { fns_[KernelTable::dtype_slot(t)][tb][slot] = fn; }
 
  private:
-  DgradRunFn fns_[3][2][kNumConfigs] = {};
+  DgradRunFn fns_[3][2][kNumDgradActSlots] = {};
 };
 
 // Launches of these kernels so far (a test hook: the module's
 // cutlass_dgrad_dact_launches()).
 inline std::atomic<int64_t> g_dgrad_dact_launches{0};
 
-template <DType D, bool TB, Config C>
+template <DType D, bool TB, int Slot>
 Status run_dgrad_dact(const GemmProblem& p, const DactProblem& d, const DgradOperands& o, const Launch& l);
 
 }  // namespace regemm::cutlass_sm90

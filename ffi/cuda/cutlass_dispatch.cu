@@ -354,105 +354,25 @@ bool can_run_dgrad_dact(const GemmProblem& p, const DactProblem& d) {
   if (d.bias_kind != BiasKind::kNone && d.bias_kind != BiasKind::kPerCol) return false;
   // Stride-0 operands of a batch: not as TMA descriptors (launch() above loops there).
   if (p.batch > 1 && (p.stride_a == 0 || p.stride_b == 0 || d.stride_s == 0)) return false;
-  if (p.batch > 65535) return false;  // the partials' sum walks the batch in grid.y
   const int64_t e = dtype_size(p.dtype);
   if ((d.stride_s * e) % 16 != 0) return false;
   GemmProblem q = p;
-  q.has_c = true;  // S is read as C (q is only checked, never run)
+  q.has_c = true;  // S is an [M, N] operand like C: the same checks (q is only checked, never run)
   q.stride_c = d.stride_s;
   if (!can_run(q)) return false;
-  for (Config c : kDgradConfigs)
-    if (DgradTable::get().find(p.dtype, p.trans_b, c)) return true;
-  return false;
+  return DgradTable::get().find(p.dtype, p.trans_b, dgrad_act_slot(d.act, d.from_y)) != nullptr;
 }
 
 bool can_launch_dgrad_dact(const DgradOperands& o) {
   return aligned16(o.a) && aligned16(o.b) && aligned16(o.s) && aligned16(o.gz);
 }
 
-namespace {
-
-// gbias[b][j] = sum over the tiles t, in order, of partials[b][t][j]: the
-// warps of a block (32 columns) add every 8th tile each, then the 8 warp sums
-// are added in order. Deterministic: no atomics.
-template <class T>
-__global__ void __launch_bounds__(256) sum_tile_partials(const float* __restrict__ partials, int64_t tiles, int64_t n,
-                                                         int64_t ld, int64_t batch_stride, T* __restrict__ gbias) {
-  __shared__ float red[8][32];
-  const int64_t j = int64_t(blockIdx.x) * 32 + threadIdx.x;
-  const float* part = partials + blockIdx.y * batch_stride;
-  float acc = 0.0f;
-  if (j < n)
-    for (int64_t t = threadIdx.y; t < tiles; t += 8) acc += part[t * ld + j];
-  red[threadIdx.y][threadIdx.x] = acc;
-  __syncthreads();
-  if (threadIdx.y == 0 && j < n) {
-    float sum = 0.0f;
-#pragma unroll
-    for (int w = 0; w < 8; ++w) sum += red[w][threadIdx.x];
-    gbias[blockIdx.y * n + j] = store<T>(sum);
-  }
-}
-
-// The rule: ping-pong without a cluster (its epilogue, with the act' and the
-// reduction, overlaps the other warpgroup's MMAs), except for 16-bit problems
-// of many tiles and a K outside [512, 2048], where the 128x256 cooperative tile
-// won the forward (rule_config above).
-Config dgrad_config(const GemmProblem& p, const DeviceInfo& dev) {
-  const auto& table = DgradTable::get();
-  const int fc = forced_config();
-  if (fc >= 0 && table.find(p.dtype, p.trans_b, Config(fc))) return Config(fc);
-  const int64_t sms = dev.sm_count > 0 ? dev.sm_count : 132;
-  const int64_t t128 = ceil_div(p.m, 128) * ceil_div(p.n, 128) * p.batch;
-  Config c = Config::kPing128x128c1;
-  if (p.dtype != DType::kF32 && t128 >= 4 * sms && (p.k < 512 || p.k > 2048)) c = Config::kCoop128x256;
-  if (!table.find(p.dtype, p.trans_b, c)) c = c == Config::kCoop128x256 ? Config::kPing128x128c1 : Config::kCoop128x256;
-  return c;
-}
-
-}  // namespace
-
-Status run_dgrad_dact(const GemmProblem& p, const DactProblem& d, const DgradOperands& o, void* gbias,
-                      const Launch& l) {
-  const Config c = dgrad_config(p, l.dev);
-  const DgradRunFn fn = DgradTable::get().find(p.dtype, p.trans_b, c);
-  if (!fn) return {"dispatch", "no dgrad_dact kernel built for this dtype and layout"};
-  DgradOperands oc = o;
-  const int64_t tiles = ceil_div(p.m, kDgradTileM), ld = ceil_div(p.n, dgrad_tile_n(c)) * dgrad_tile_n(c);
-  static_assert(kDgradTileM == kDgradPartialRows, "workspace.h sizes the partials for this tile");
-  Launch lk = l;  // the kernel's own workspace requests come after the partials
-  AfterStart after{l, 0};
-  if (gbias) {
-    const size_t bytes = dgrad_partials_bytes(p.m, p.n, p.batch);
-    oc.partials = static_cast<float*>(l.alloc ? l.alloc(l.alloc_ctx, bytes) : nullptr);
-    if (!oc.partials) return {"workspace", "no room for the bias gradient's partial sums"};
-    oc.partials_batch = tiles * ld;
-    after.skip = (bytes + kWorkspaceAlign - 1) & ~(kWorkspaceAlign - 1);
-    lk.alloc = alloc_after_start;
-    lk.alloc_ctx = &after;
-  } else {
-    oc.partials = nullptr;
-  }
+Status run_dgrad_dact(const GemmProblem& p, const DactProblem& d, const DgradOperands& o, const Launch& l) {
+  const DgradRunFn fn = DgradTable::get().find(p.dtype, p.trans_b, dgrad_act_slot(d.act, d.from_y));
+  if (!fn) return {"dispatch", "no dgrad_dact kernel built for this dtype, layout and act"};
   host_mark(HostPhase::kLaunch);
-  if (Status st = fn(p, d, oc, lk); !st.ok()) return st;
+  if (Status st = fn(p, d, o, l); !st.ok()) return st;
   g_dgrad_dact_launches.fetch_add(1, std::memory_order_relaxed);
-  if (!gbias) return {};
-  const dim3 grid(unsigned(ceil_div(p.n, 32)), unsigned(p.batch));
-  switch (p.dtype) {
-    case DType::kBF16:
-      sum_tile_partials<<<grid, dim3(32, 8), 0, l.stream>>>(oc.partials, tiles, p.n, ld, oc.partials_batch,
-                                                            static_cast<bf16_t*>(gbias));
-      break;
-    case DType::kF16:
-      sum_tile_partials<<<grid, dim3(32, 8), 0, l.stream>>>(oc.partials, tiles, p.n, ld, oc.partials_batch,
-                                                            static_cast<f16_t*>(gbias));
-      break;
-    default:
-      sum_tile_partials<<<grid, dim3(32, 8), 0, l.stream>>>(oc.partials, tiles, p.n, ld, oc.partials_batch,
-                                                            static_cast<float*>(gbias));
-  }
-  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return {"bias gradient sum launch", cudaGetErrorString(e)};
-  if (l.enqueued) ++*l.enqueued;
   return {};
 }
 

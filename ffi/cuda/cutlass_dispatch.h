@@ -45,14 +45,12 @@ Status run_choice(const GemmProblem& p, const GemmOperands& o, const Launch& l, 
 // The name of the choice run() makes for p. For tests and benchmarks.
 const char* rule_choice_name(const GemmProblem& p, const DeviceInfo& dev);
 
-// regemm_dgrad_dact in one kernel (cutlass_kernels.h, run_dgrad_dact) plus,
-// with a bias gradient, the in-order sum of its tiles' partials into gbias:
-// whether it can run (p: the plain dgrad GEMM; d: the backward epilogue), the
-// workspace its partials take (workspace.h, dgrad_partials_bytes), and the run (the configuration by rule, or
-// REGEMM_CUTLASS_CONFIG where built).
+// regemm_dgrad_dact's GEMM with act' in its epilogue (cutlass_dgrad.h): whether
+// it can run (p: the plain dgrad GEMM; d: the backward epilogue) and the run
+// (the kernel of d's act slot). The bias gradient is the caller's
+// (cutlass_registry.cu).
 bool can_run_dgrad_dact(const GemmProblem& p, const DactProblem& d);
 bool can_launch_dgrad_dact(const DgradOperands& o);
-Status run_dgrad_dact(const GemmProblem& p, const DactProblem& d, const DgradOperands& o, void* gbias,
-                      const Launch& l);
+Status run_dgrad_dact(const GemmProblem& p, const DactProblem& d, const DgradOperands& o, const Launch& l);
 
 }  // namespace regemm::cutlass_sm90

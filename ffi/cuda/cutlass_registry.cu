@@ -75,12 +75,15 @@ ffi::Error run_variant(const GemmProblem& p, const GemmOperands& o, CudaRuntime&
 const Register<GemmProblem, GemmOperands, CudaRuntime> kRegister(
     {kName, kPriority, supports, run_entry, variants, run_variant});
 
-// regemm_dgrad_dact in one kernel: the GEMM with the act' in its epilogue
-// (cutlass_dispatch.h). Opt-in (REGEMM_FUSED_DGRAD=1) until it is faster: on
-// the H100 it lost to cuBLAS's dgrad GEMM followed by the in-place dact pass
-// (the Dense(4d, gelu) -> Dense(d) block at 8192x1024 bf16: 0.827 against 0.660
-// ms; docs/performance.md). Never where REGEMM_BACKEND forces another kernel
-// (the sanitizers' runs keep TMA kernels out).
+// regemm_dgrad_dact with act' in the GEMM's epilogue (cutlass_dispatch.h), then
+// the bias gradient, where there is one, by the dact pass with act none over
+// the stored gZ (a read-only pass: as the cuBLASLt DGELU way, cublas_gemm.cu).
+// Opt-in (REGEMM_FUSED_DGRAD=1): inside the 32768x512x12 bf16 step on the H100
+// it beats cuBLAS's dgrad GEMM followed by the in-place dact pass (the
+// default) only without a bias gradient (relu: 48 us a layer against 60); the
+// bias gradient's read-only pass (21 us) and gelu' in the epilogue (+20 us)
+// take the gain back (docs/performance.md). Never where REGEMM_BACKEND forces
+// another kernel (the sanitizers' runs keep TMA kernels out).
 bool supports_dgrad_dact(const DgradDactProblem& q) {
   if (backend_forced_elsewhere(kName)) return false;
   return env_on("REGEMM_FUSED_DGRAD") && can_run_dgrad_dact(q.gemm, q.dact);
@@ -88,9 +91,16 @@ bool supports_dgrad_dact(const DgradDactProblem& q) {
 
 ffi::Error run_dgrad_dact_entry(const DgradDactProblem& q, const DgradDactOperands& o, CudaRuntime& rt) {
   const DeviceInfo* dev = sm90_device();
-  const DgradOperands ok{o.a, o.b, o.s, o.gz, nullptr, 0};
+  const DgradOperands ok{o.a, o.b, o.s, o.gz};
   if (!dev || !can_launch_dgrad_dact(ok)) return dgrad_then_dact(q, o, rt);  // a buffer not 16-byte aligned
-  return to_ffi(run_dgrad_dact(q.gemm, q.dact, ok, o.gbias, launch_for(rt, *dev)));
+  if (q.gemm.m * q.gemm.n > 0)
+    if (auto e = to_ffi(run_dgrad_dact(q.gemm, q.dact, ok, launch_for(rt, *dev))); e.failure()) return e;
+  if (q.dact.bias_kind == BiasKind::kNone) return ffi::Error::Success();
+  DactProblem bias_only = q.dact;
+  bias_only.act = Act::kNone;
+  const auto* dact = DactRegistry<CudaRuntime>::get().select(bias_only);
+  if (!dact) return ffi::Error::InvalidArgument("regemm/cutlass: no backward-epilogue kernel for the bias gradient");
+  return rt.run(*dact, bias_only, DactOperands{o.gz, o.gz, o.gz, o.gbias});
 }
 
 const Register<DgradDactProblem, DgradDactOperands, CudaRuntime> kRegisterDgradDact(

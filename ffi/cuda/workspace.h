@@ -22,8 +22,7 @@ inline constexpr size_t kWorkspaceAlign = 256;
 
 // A library GEMM's workspace (cuBLAS recommends 32 MiB on Hopper), also the
 // bound for a CUTLASS stream-K workspace: 31 MiB, so that with the alignment
-// slack and small extras (the bias partials of a 32768 x 512 dgrad: 512 KiB) a
-// call's workspace stays within 32 MiB, the size of XLA's own cuBLAS
+// slack a call's workspace stays within 32 MiB, the size of XLA's own cuBLAS
 // workspaces, and XLA's buffer assignment packs both into the same slots (at
 // 32 MiB + 256 B it kept slots of 32.5 MiB: the bf16 32768x512x12 relu step's
 // temporaries 448.5 MiB against XLA's 448).
@@ -41,21 +40,13 @@ size_t dact_workspace_bytes(DType t, int64_t m, int64_t n, int64_t batch, BiasKi
 // step's temporaries 291 MiB against 264 now, results/h200_train_memory_workspace.md).
 inline size_t gemm_workspace_bytes() { return kGemmWorkspaceBytes + kWorkspaceAlign; }
 
-// regemm_dgrad_dact's CUTLASS kernel: f32 partial sums of the bias gradient,
-// one row per 128-row tile, N rounded up to the widest tile (256).
-inline constexpr int64_t kDgradPartialRows = 128;
-inline size_t dgrad_partials_bytes(int64_t m, int64_t n, int64_t batch) {
-  return size_t((m + kDgradPartialRows - 1) / kDgradPartialRows * ((n + 255) / 256 * 256) * batch) * sizeof(float);
-}
-
-// regemm_dgrad_dact: the GEMM's workspace after the partial sums (the fused
-// kernel), or the GEMM's and then the dact pass's, one after the other (the
-// composed way; cuBLASLt's DGELU matmul, then the bias gradient).
+// regemm_dgrad_dact: the GEMM's workspace, then the dact pass's (the composed
+// way, and the fused kernel followed by its bias gradient; cuBLASLt's DGELU
+// matmul, then the bias gradient), one after the other on the stream.
 inline size_t dgrad_dact_workspace_bytes(DType t, int64_t m, int64_t n, int64_t batch, BiasKind kind) {
   const size_t gemm = gemm_workspace_bytes();
-  const size_t fused = gemm + (kind == BiasKind::kNone ? 0 : dgrad_partials_bytes(m, n, batch) + kWorkspaceAlign);
   const size_t dact = dact_workspace_bytes(t, m, n, batch, kind);
-  return fused > dact ? fused : dact;
+  return gemm > dact ? gemm : dact;
 }
 
 }  // namespace regemm
