@@ -11,7 +11,10 @@ pipelined loop of steps, blocked once at the end, per step; the sides' loops tak
 compiled step's temporary memory. Median of repeats after warm-up.
 
 --ab NAME=VAR=VALUE adds a side: ours compiled with the environment variable
-VAR set to VALUE (an A/B of a lowering or kernel choice in the same process).
+VAR set to VALUE (an A/B of a lowering choice in the same process). Only for
+variables read when the step is lowered (REGEMM_DACT, REGEMM_PLAIN_GEMM): the
+CUDA module reads its own (REGEMM_FUSED_DGRAD, REGEMM_VARIANT, ...) when the
+step runs, so their A/B takes a process a side.
 
     python benchmarks/bench_train.py --out benchmarks/results/h100_train.json
 """
