@@ -16,6 +16,9 @@ variables read when the step is lowered (REGEMM_DACT, REGEMM_PLAIN_GEMM): the
 CUDA module reads its own (REGEMM_FUSED_DGRAD, REGEMM_VARIANT, ...) when the
 step runs, so their A/B takes a process a side.
 
+--no-bias: every Dense layer without bias on both sides (the backward without
+the bias gradient: where the fused dgrad kernel pays, docs/performance.md).
+
     python benchmarks/bench_train.py --out benchmarks/results/h100_train.json
 """
 
@@ -48,21 +51,22 @@ class PlainMLP(nn.Module):
     layers: int
     act: str  # "floor": no bias and no activation
     dtype: object
+    use_bias: bool = True
 
     @nn.compact
     def __call__(self, x):
         floor = self.act == "floor"
         for i in range(self.layers):
-            x = nn.Dense(self.width, use_bias=not floor, dtype=self.dtype, param_dtype=self.dtype, name=f"Dense_{i}")(x)
+            x = nn.Dense(self.width, use_bias=self.use_bias and not floor, dtype=self.dtype, param_dtype=self.dtype, name=f"Dense_{i}")(x)
             if i < self.layers - 1 and not floor:
                 x = ACT[self.act](x)
         return x
 
 
-def ours_mlp(width, layers, act, dtype):
+def ours_mlp(width, layers, act, dtype, use_bias=True):
     from jax_regemm.flax import MLP
 
-    return MLP(features=[width] * layers, activation=act, dtype=dtype, param_dtype=dtype)
+    return MLP(features=[width] * layers, activation=act, dtype=dtype, param_dtype=dtype, use_bias=use_bias)
 
 
 def make_step(model, opt):
@@ -116,7 +120,7 @@ def _env(var, value):
             os.environ[var] = old
 
 
-def run(shapes, acts, dtypes, repeats, ab):
+def run(shapes, acts, dtypes, repeats, ab, use_bias=True):
     records = []
     for rows, width, layers in shapes:
         for dname in dtypes:
@@ -125,14 +129,14 @@ def run(shapes, acts, dtypes, repeats, ab):
             x = jnp.asarray(rng.standard_normal((rows, width)), dtype)
             y = jnp.asarray(rng.standard_normal((rows, width)), jnp.float32)
             for act in acts:
-                plain = PlainMLP(width, layers, act, dtype)
+                plain = PlainMLP(width, layers, act, dtype, use_bias)
                 floor = PlainMLP(width, layers, "floor", dtype)
                 params = plain.init(jax.random.PRNGKey(0), x[:1])
                 opt = optax.adamw(1e-3)
-                tag = f"{rows}x{width}x{layers}_{dname}_{act}"
+                tag = f"{rows}x{width}x{layers}_{dname}_{act}" + ("" if use_bias else "_nobias")
                 sides = {"floor": (floor, floor.init(jax.random.PRNGKey(0), x[:1]), "", ""),
                          "xla": (plain, params, "", ""),
-                         "regemm": (ours_mlp(width, layers, act, dtype), params, "", "")}  # fmt: skip
+                         "regemm": (ours_mlp(width, layers, act, dtype, use_bias), params, "", "")}  # fmt: skip
                 for name, var, value in ab:
                     sides[name] = (sides["regemm"][0], params, var, value)
                 steps, cases, mem = {}, {}, {}
@@ -145,7 +149,7 @@ def run(shapes, acts, dtypes, repeats, ab):
                     mem[side] = step.memory_analysis().temp_size_in_bytes
                 dev = device_times_ms(cases, repeats=repeats)
                 wall = wall_ms(steps, x, y)
-                rec = dict(shape=[rows, width, layers], dtype=dname, act=act,
+                rec = dict(shape=[rows, width, layers], dtype=dname, act=act, bias=use_bias,
                            xla_ms=dev["xla"], regemm_ms=dev["regemm"], floor_ms=dev["floor"],
                            speedup=dev["xla"] / dev["regemm"],
                            xla_over_floor=dev["xla"] / dev["floor"], regemm_over_floor=dev["regemm"] / dev["floor"],
@@ -172,10 +176,11 @@ def main():
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--out", default="")
     ap.add_argument("--label", default="")
+    ap.add_argument("--no-bias", action="store_true", help="Dense layers without bias on both sides (the floor has none anyway)")
     ap.add_argument("--ab", action="append", default=[], help="NAME=VAR=VALUE: ours with VAR=VALUE, as side NAME")
     args = ap.parse_args()
     ab = [tuple(a.split("=", 2)) for a in args.ab]
-    records = run(SHAPES[args.grid], args.acts.split(","), args.dtypes.split(","), args.repeats, ab)
+    records = run(SHAPES[args.grid], args.acts.split(","), args.dtypes.split(","), args.repeats, ab, not args.no_bias)
     geo = float(np.exp(np.mean([np.log(r["speedup"]) for r in records])))
     geo_wall = float(np.exp(np.mean([np.log(r["wall_speedup"]) for r in records])))
     geo_floor = {k: float(np.exp(np.mean([np.log(r[f"{k}_over_floor"]) for r in records]))) for k in ("xla", "regemm")}
