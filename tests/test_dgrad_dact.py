@@ -188,14 +188,16 @@ def test_cublaslt_dgelu_every_way(rand, monkeypatch, way, dtype, tb, kind):
 @lt
 def test_cublaslt_dgelu_tuned(rand, monkeypatch):
     """Unforced, the tuner times the ways once per signature and keeps one; the result
-    matches NumPy and the bias gradient is the same bits on every run. Where the way does
-    not apply (gZ within the L2 cache; f32; silu) nothing is timed for dgrad_dact."""
+    matches NumPy and the bias gradient is the same bits on every run. Where the DGELU way
+    does not apply (gZ within the L2 cache; f32; silu) the composed and fused ways are timed
+    where the CUTLASS kernels are built, and nothing is timed where they are not."""
     monkeypatch.delenv("REGEMM_VARIANT", raising=False)
+    monkeypatch.delenv("REGEMM_FUSED_DGRAD", raising=False)
     LT.forget_tuned()
     f, args, gz_ref, gb_ref = _fused_case(rand, jnp.bfloat16, True, "gelu", False, "per_col", **BIG)
     gz, gb = jax.block_until_ready(f(*args))
     (label,) = _dgrad_tuned().values()
-    assert label.startswith("cublas/"), label
+    assert label.startswith("cublas/") or label == "cutlass_sm90/fused", label
     assert_rel(gz, gz_ref, jnp.bfloat16, None, "gZ")
     assert_rel(gb, gb_ref, jnp.bfloat16, None, "gBias")
     n0 = LT.tuning_count()
@@ -205,4 +207,33 @@ def test_cublaslt_dgelu_tuned(rand, monkeypatch):
     for dtype, act in ((jnp.bfloat16, "gelu"), (jnp.float32, "gelu"), (jnp.bfloat16, "silu")):
         f, args, gz_ref, _ = _fused_case(rand, dtype, True, act, False, "per_col")
         assert_rel(f(*args)[0], gz_ref, dtype, None, f"gZ {act}")
-    assert len(_dgrad_tuned()) == 1
+    labels = sorted(_dgrad_tuned().values())
+    assert len(labels) == (4 if CUDA is not None else 1), labels
+    assert sum(l.startswith("cublas/dgelu") for l in labels) <= 1, labels  # the big problem's alone
+
+
+@gpu
+def test_fused_way_timed_forced_and_untimed(rand, monkeypatch):
+    """The fused kernel is a way of the tuner (cutlass_registry.cu): unforced, the tuner keeps
+    it or the composed way, and either matches NumPy; REGEMM_VARIANT=cutlass_sm90/fused runs it
+    (one launch); REGEMM_TUNE=0 runs the composed way (no launch), as does a call the tuner
+    may not time."""
+    for var in ("REGEMM_VARIANT", "REGEMM_FUSED_DGRAD", "REGEMM_TUNE"):
+        monkeypatch.delenv(var, raising=False)
+    CUDA.forget_tuned()
+    f, args, gz_ref, gb_ref = _fused_case(rand, jnp.bfloat16, True, "relu", True, "none", m=1024, n=512, k=512)
+    gz, gb = jax.block_until_ready(f(*args))
+    assert gb is None
+    (label,) = _dgrad_tuned().values()
+    assert label in ("cutlass_sm90/fused", "cublas/composed"), label
+    assert_rel(gz, gz_ref, jnp.bfloat16, None, "gZ")
+    monkeypatch.setenv("REGEMM_VARIANT", "cutlass_sm90/fused")
+    n0 = CUDA.cutlass_dgrad_dact_launches()
+    assert_rel(jax.block_until_ready(f(*args))[0], gz_ref, jnp.bfloat16, None, "gZ forced")
+    assert CUDA.cutlass_dgrad_dact_launches() == n0 + 1
+    assert "cutlass_sm90/fused" in _dgrad_tuned().values()
+    monkeypatch.delenv("REGEMM_VARIANT")
+    monkeypatch.setenv("REGEMM_TUNE", "0")
+    n0 = CUDA.cutlass_dgrad_dact_launches()
+    assert_rel(jax.block_until_ready(f(*args))[0], gz_ref, jnp.bfloat16, None, "gZ untimed")
+    assert CUDA.cutlass_dgrad_dact_launches() == n0

@@ -555,13 +555,19 @@ int64_t l2_bytes() {
   return bytes;
 }
 
-bool supports_dgrad_dact(const DgradDactProblem& q) {
+// cuBLASLt's DGELU matmul applies: 16-bit gelu from Z, gZ past the L2 cache
+// (above), no batch, the aux row length a multiple of 8.
+bool dgelu_applies(const DgradDactProblem& q) {
   const GemmProblem& p = q.gemm;
-  if (backend_forced_elsewhere("cublas") || env_off("REGEMM_FUSED_DGRAD")) return false;
   return (p.dtype == DType::kBF16 || p.dtype == DType::kF16) && q.dact.act == Act::kGelu && !q.dact.from_y &&
          (q.dact.bias_kind == BiasKind::kNone || q.dact.bias_kind == BiasKind::kPerCol) && p.batch == 1 &&
          p.m > 0 && p.k > 0 && p.n % 8 == 0 &&  // AUX_LD: a multiple of 8
          p.m * p.n * dtype_size(p.dtype) > l2_bytes();
+}
+
+bool supports_dgrad_dact(const DgradDactProblem& q) {
+  if (backend_forced_elsewhere("cublas") || env_off("REGEMM_FUSED_DGRAD")) return false;
+  return dgelu_applies(q);
 }
 
 ffi::Error run_dgelu(const DgradDactProblem& q, const DgradDactOperands& o, int algo, CudaRuntime& rt) {
@@ -583,17 +589,22 @@ ffi::Error run_dgelu(const DgradDactProblem& q, const DgradDactOperands& o, int 
   return rt.run(*dact, bias_only, DactOperands{o.gz, o.gz, o.gz, o.gbias});
 }
 
+// The composed way always (the tuner times it against the CUTLASS entry's
+// fused way too, cutlass_registry.cu), and the DGELU ways where they apply;
+// none where REGEMM_FUSED_DGRAD=1 forces the fused way, or =0 the composed one
+// (the rule, untimed).
 void dgrad_dact_variants(const DgradDactProblem& q, const DgradDactOperands& o, CudaRuntime& rt,
                          std::vector<std::string>* names) {
+  if (env_on("REGEMM_FUSED_DGRAD") || env_off("REGEMM_FUSED_DGRAD")) return;
+  names->assign(1, "composed");
   Call c;
-  if (!aligned16(o.s) || !aligned16(o.gz) || prepare(q.gemm, rt, &c).failure()) return;
+  if (!dgelu_applies(q) || !aligned16(o.s) || !aligned16(o.gz) || prepare(q.gemm, rt, &c).failure()) return;
   std::lock_guard<std::mutex> lock(c.dh->mu);
   const GemmOperands go = gemm_operands_with_s(o);
   ffi::Error err = ffi::Error::Success();
   const LtPlan* plan = plan_for(*c.dh, q.gemm, go, c.t, CUBLASLT_EPILOGUE_DGELU, false, c.workspace_bytes, &err);
   if (!plan || plan->algos.empty()) return;
-  names->assign(kDgelu + plan->algos.size(), "");
-  (*names)[kComposed] = "composed";
+  names->resize(kDgelu + plan->algos.size());
   for (size_t i = 0; i < plan->algos.size(); ++i) (*names)[kDgelu + i] = "dgelu#" + std::to_string(i);
 }
 

@@ -78,18 +78,21 @@ const Register<GemmProblem, GemmOperands, CudaRuntime> kRegister(
 // regemm_dgrad_dact with act' in the GEMM's epilogue (cutlass_dispatch.h), then
 // the bias gradient, where there is one, by the dact pass with act none over
 // the stored gZ (a read-only pass: as the cuBLASLt DGELU way, cublas_gemm.cu).
-// Opt-in (REGEMM_FUSED_DGRAD=1): inside the 32768x512x12 bf16 step on the H100
-// it beats cuBLAS's dgrad GEMM followed by the in-place dact pass (the
-// default) only without a bias gradient (relu: 48 us a layer against 60); the
-// bias gradient's read-only pass (21 us) and gelu' in the epilogue (+20 us)
-// take the gain back (docs/performance.md). Never where REGEMM_BACKEND forces
-// another kernel (the sanitizers' runs keep TMA kernels out).
+// A way the tuner times against cuBLAS's composed one (its dgrad GEMM, then
+// the in-place dact pass) and DGELU ones: inside the 32768x512x12 bf16 step on
+// the H100 it wins without a bias gradient (relu: 48 us a layer against 60),
+// and loses with one (the bias gradient's read-only pass, 21 us) and at 4096
+// wide (docs/performance.md). Untimed (REGEMM_TUNE=0, a call captured into a
+// CUDA graph before its signature was timed) the composed way runs, unless
+// REGEMM_FUSED_DGRAD=1 forces the fused one; =0 keeps it out. Never where
+// REGEMM_BACKEND forces another kernel (the sanitizers' runs keep TMA kernels
+// out).
 bool supports_dgrad_dact(const DgradDactProblem& q) {
-  if (backend_forced_elsewhere(kName)) return false;
-  return env_on("REGEMM_FUSED_DGRAD") && can_run_dgrad_dact(q.gemm, q.dact);
+  if (backend_forced_elsewhere(kName) || env_off("REGEMM_FUSED_DGRAD")) return false;
+  return can_run_dgrad_dact(q.gemm, q.dact);
 }
 
-ffi::Error run_dgrad_dact_entry(const DgradDactProblem& q, const DgradDactOperands& o, CudaRuntime& rt) {
+ffi::Error run_fused(const DgradDactProblem& q, const DgradDactOperands& o, CudaRuntime& rt) {
   const DeviceInfo* dev = sm90_device();
   const DgradOperands ok{o.a, o.b, o.s, o.gz};
   if (!dev || !can_launch_dgrad_dact(ok)) return dgrad_then_dact(q, o, rt);  // a buffer not 16-byte aligned
@@ -103,8 +106,22 @@ ffi::Error run_dgrad_dact_entry(const DgradDactProblem& q, const DgradDactOperan
   return rt.run(*dact, bias_only, DactOperands{o.gz, o.gz, o.gz, o.gbias});
 }
 
+// The rule, untimed: the composed way unless the fused one is forced.
+ffi::Error run_dgrad_dact_entry(const DgradDactProblem& q, const DgradDactOperands& o, CudaRuntime& rt) {
+  return env_on("REGEMM_FUSED_DGRAD") ? run_fused(q, o, rt) : dgrad_then_dact(q, o, rt);
+}
+
+void dgrad_dact_variants(const DgradDactProblem&, const DgradDactOperands&, CudaRuntime&,
+                         std::vector<std::string>* names) {
+  names->assign(1, "fused");
+}
+
+ffi::Error run_dgrad_dact_variant(const DgradDactProblem& q, const DgradDactOperands& o, CudaRuntime& rt, int) {
+  return run_fused(q, o, rt);
+}
+
 const Register<DgradDactProblem, DgradDactOperands, CudaRuntime> kRegisterDgradDact(
-    {kName, kPriority, supports_dgrad_dact, run_dgrad_dact_entry});
+    {kName, kPriority, supports_dgrad_dact, run_dgrad_dact_entry, dgrad_dact_variants, run_dgrad_dact_variant});
 
 }  // namespace
 }  // namespace regemm::cutlass_sm90

@@ -70,7 +70,7 @@ using DgradDactEntry = Kernel<DgradDactProblem, DgradDactOperands, CudaRuntime>;
 // way round.
 constexpr const char* kWayVars[] = {"REGEMM_BACKEND",         "REGEMM_VARIANT",         "REGEMM_CUTLASS",
                                     "REGEMM_CUTLASS_CONFIG",  "REGEMM_CUTLASS_SPLIT",   "REGEMM_CUTLASS_F32_BT",
-                                    "REGEMM_CUTLASS_TMA_STRIDE0", "REGEMM_CUTLASS_ONE_ACT"};
+                                    "REGEMM_CUTLASS_TMA_STRIDE0", "REGEMM_CUTLASS_ONE_ACT", "REGEMM_FUSED_DGRAD"};
 
 // Those of kWayVars that are set and not empty, as " NAME=value" in kWayVars'
 // order, from one pass over the environment. They are read on every call
@@ -528,8 +528,9 @@ ffi::Error CudaRuntime::run(const GemmEntry& rule, const GemmProblem& p, const G
   return tuned_run(rule, p, o, *this, device, key_of(device, p, o), !c_aliases);
 }
 
-// dgrad_dact: timed among the rule's entry's ways where it offers some (the
-// CUTLASS kernel, opt-in, offers none: it runs as chosen).
+// dgrad_dact: timed among the ways of every entry that offers some (the CUTLASS
+// kernel's fused way, cuBLAS's composed and DGELU ways), where the rule's entry
+// offers some; untimed, the rule's entry runs its own choice.
 ffi::Error CudaRuntime::run(const DgradDactEntry& rule, const DgradDactProblem& q, const DgradDactOperands& o) {
   if (env_off("REGEMM_TUNE") || !rule.variants) return rule.run(q, o, *this);
   int device = 0;
