@@ -581,12 +581,7 @@ ffi::Error run_dgelu(const DgradDactProblem& q, const DgradDactOperands& o, int 
     if (auto e = lt_matmul(q.gemm, go, CUBLASLT_EPILOGUE_DGELU, false, algo, c, rt, &ran); e.failure()) return e;
     if (!ran) return bad("cuBLAS: no such algorithm for this problem");
   }
-  if (q.dact.bias_kind == BiasKind::kNone) return ffi::Error::Success();
-  DactProblem bias_only = q.dact;
-  bias_only.act = Act::kNone;
-  const auto* dact = DactRegistry<CudaRuntime>::get().select(bias_only);
-  if (!dact) return bad("no backward-epilogue kernel supports this problem");
-  return rt.run(*dact, bias_only, DactOperands{o.gz, o.gz, o.gz, o.gbias});
+  return bias_grad_from_gz(q, o, rt);
 }
 
 // The composed way always (the tuner times it against the CUTLASS entry's

@@ -98,12 +98,7 @@ ffi::Error run_fused(const DgradDactProblem& q, const DgradDactOperands& o, Cuda
   if (!dev || !can_launch_dgrad_dact(ok)) return dgrad_then_dact(q, o, rt);  // a buffer not 16-byte aligned
   if (q.gemm.m * q.gemm.n > 0)
     if (auto e = to_ffi(run_dgrad_dact(q.gemm, q.dact, ok, launch_for(rt, *dev))); e.failure()) return e;
-  if (q.dact.bias_kind == BiasKind::kNone) return ffi::Error::Success();
-  DactProblem bias_only = q.dact;
-  bias_only.act = Act::kNone;
-  const auto* dact = DactRegistry<CudaRuntime>::get().select(bias_only);
-  if (!dact) return ffi::Error::InvalidArgument("regemm/cutlass: no backward-epilogue kernel for the bias gradient");
-  return rt.run(*dact, bias_only, DactOperands{o.gz, o.gz, o.gz, o.gbias});
+  return bias_grad_from_gz(q, o, rt);
 }
 
 // The rule, untimed: the composed way unless the fused one is forced.

@@ -279,6 +279,19 @@ ffi::Error dgrad_then_dact(const DgradDactProblem& q, const DgradDactOperands& o
   return rt.run(*dact, q.dact, DactOperands{o.gz, o.s, o.gz, o.gbias});
 }
 
+// The bias gradient of a way whose GEMM wrote gZ with act' applied already
+// (cuBLASLt's DGELU matmul, the CUDA module's CUTLASS kernel): the dact kernel
+// with act none over the stored gZ, a read-only pass.
+template <class Runtime>
+ffi::Error bias_grad_from_gz(const DgradDactProblem& q, const DgradDactOperands& o, Runtime& rt) {
+  if (q.dact.bias_kind == BiasKind::kNone) return ffi::Error::Success();
+  DactProblem bias_only = q.dact;
+  bias_only.act = Act::kNone;
+  const auto* dact = DactRegistry<Runtime>::get().select(bias_only);
+  if (!dact) return bad("no backward-epilogue kernel supports this problem");
+  return rt.run(*dact, bias_only, DactOperands{o.gz, o.gz, o.gz, o.gbias});
+}
+
 template <class Runtime, class... Ctx>
 ffi::Error dgrad_dact_handler(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer s, ffi::Result<ffi::AnyBuffer> gz,
                               ffi::Result<ffi::AnyBuffer> gbias, ffi::Result<ffi::AnyBuffer> workspace,
