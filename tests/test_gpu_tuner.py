@@ -162,10 +162,11 @@ def test_every_activation_in_every_config(way, dtype, act, monkeypatch):
 
 
 # The kernels of one costly activation (ffi/cuda/cutlass_kernels.h, kOneActs:
-# ping128x128c1, 16-bit dtypes, every layout): each runs where its activation
-# is asked for, matches the reference, and gives the bits of the
-# every-activation kernel (REGEMM_CUTLASS_ONE_ACT=0), which computes the same
-# expressions as out-of-line calls.
+# ping128x128c1, 16-bit dtypes, every layout, built without C): each runs where
+# its activation is asked for without C, matches the reference, and gives the
+# bits of the every-activation kernel (REGEMM_CUTLASS_ONE_ACT=0), which computes
+# the same expressions as out-of-line calls; with a C the every-activation
+# kernel runs.
 @pytest.mark.skipif(not CUTLASS, reason="needs a Hopper GPU and the CUTLASS kernels")
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("ta,tb", [(False, False), (False, True), (True, False), (True, True)])
@@ -173,10 +174,12 @@ def test_every_activation_in_every_config(way, dtype, act, monkeypatch):
 def test_one_act_kernels(dtype, ta, tb, act, monkeypatch):
     way, seed = "cutlass_sm90/ping128x128c1", 40 + rg.ACTIVATIONS.index(act)
     n0 = cuda.cutlass_one_act_launches()
-    y1, z1 = _check_forced_way(way, seed, dtype, 264, 392, 136, act, True, monkeypatch, ta, tb)
+    y1, z1 = _check_forced_way(way, seed, dtype, 264, 392, 136, act, False, monkeypatch, ta, tb)
+    assert cuda.cutlass_one_act_launches() == n0 + 1
+    _check_forced_way(way, seed, dtype, 264, 392, 136, act, True, monkeypatch, ta, tb)  # with C
     assert cuda.cutlass_one_act_launches() == n0 + 1
     monkeypatch.setenv("REGEMM_CUTLASS_ONE_ACT", "0")
-    y0, z0 = _check_forced_way(way, seed, dtype, 264, 392, 136, act, True, monkeypatch, ta, tb)
+    y0, z0 = _check_forced_way(way, seed, dtype, 264, 392, 136, act, False, monkeypatch, ta, tb)
     assert cuda.cutlass_one_act_launches() == n0 + 1
     np.testing.assert_array_equal(y1, y0)
     np.testing.assert_array_equal(z1, z0)

@@ -174,12 +174,14 @@ int forced_split() {
 }
 
 // The kernel for p in configuration c: one compiled for p's activation where
-// built (cutlass_kernels.h, kOneActs; REGEMM_CUTLASS_ONE_ACT=0: never), else
+// built (cutlass_kernels.h, kOneActs; REGEMM_CUTLASS_ONE_ACT=0: never) and p
+// has no C (those kernels are built without one: cutlass_epilogue.cuh), else
 // the every-activation one. Null if c was not built for p's dtype and layout.
 RunFn kernel_for(const GemmProblem& p, Config c) {
   const auto& table = KernelTable::get();
   RunFn any = table.find(p.dtype, p.trans_a, p.trans_b, c);
-  if (KernelTable::act_slot(int(p.act)) == 0 || env_off("REGEMM_CUTLASS_ONE_ACT")) return any;
+  if (KernelTable::act_slot(int(p.act)) == 0 || (p.has_c && p.beta != 0.0) || env_off("REGEMM_CUTLASS_ONE_ACT"))
+    return any;
   RunFn own = table.find(p.dtype, p.trans_a, p.trans_b, c, p.act);
   if (own != any) g_one_act_launches.fetch_add(1, std::memory_order_relaxed);
   return own;

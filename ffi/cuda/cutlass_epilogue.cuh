@@ -10,8 +10,13 @@
 //   pointer. Those not in use have null pointers and add a zero without loading.
 //   (A dynamic-stride RowBroadcast serving per-column and scalar alike cost 8%
 //   at 16384x4096x4096: static strides only.)
-// - C: the beta*C node skips the C load when beta == 0 (CUTLASS's own
-//   specialisation), so "no C" costs nothing;
+// - C: the beta*C node skips C's load when beta == 0, but a kernel built with
+//   a C still holds C's shared-memory buffers and does not delay its TMA
+//   stores behind the next subtile's math: at the narrow MLP's K = 512 that is
+//   about 10 us of a 57 us ping-pong kernel (32768x512x512, tools/tile_bench,
+//   H100). So the kernels of one activation (kOneActs, the narrow layers'
+//   forward) are built without C (ES void: Z = X) and serve problems without
+//   one; the every-activation kernels keep it.
 // - the activation: a compute node whose functor calls regemm::act_fwd with the
 //   GPU's fast elementary functions (activation.h's FastMath; the outputs are
 //   bf16/f16/TF32-precision), the one place the activation math lives. The
@@ -25,6 +30,8 @@
 // Packaged as a FusionOperation + FusionCallbacks pair so that CUTLASS's
 // epilogue builder supplies the aux store's smem layout and copy atom.
 #pragma once
+
+#include <type_traits>
 
 #include "cutlass/epilogue/fusion/operations.hpp"
 #include "cutlass/epilogue/fusion/sm90_callbacks_tma_warpspecialized.hpp"
@@ -140,8 +147,8 @@ struct RegemmFusion : cutlass::epilogue::fusion::FusionOperation {
   using ElementCompute = ElementCompute_;
   static constexpr auto RoundStyle = cutlass::FloatRoundStyle::round_to_nearest;
 
-  using ElementSource = ElementSource_;
-  static constexpr bool IsSourceSupported = true;
+  using ElementSource = ElementSource_;  // void: a kernel without C
+  static constexpr bool IsSourceSupported = !std::is_void_v<ElementSource_>;
 
   using ElementScalar = ElementCompute_;
   static constexpr int AlignmentScalar = 1;
@@ -167,22 +174,35 @@ using cute::_1;
 using cute::Stride;
 constexpr auto kRound = cutlass::FloatRoundStyle::round_to_nearest;
 
+// X = alpha * acc + bias, bias = (bias_n[j] + bias_m[i]) + bias_s.
+template <class CtaTile, class EC, class EB>
+using AlphaAccBias =
+    Sm90EVT<Sm90Compute<cutlass::homogeneous_multiply_add, EC, EC, kRound>,      // X = alpha * acc + bias
+      Sm90ScalarBroadcast<EC, Stride<_0, _0, int64_t>>,                          //   alpha
+      Sm90AccFetch,                                                              //   acc
+      Sm90EVT<Sm90Compute<cutlass::plus, EC, EC, kRound>,                        //   bias = (n + m) + s
+        Sm90EVT<Sm90Compute<cutlass::plus, EC, EC, kRound>,
+          Sm90RowBroadcast<0, CtaTile, EB, EC, Stride<_0, _1, int64_t>, 1>,      //     bias_n[j]
+          Sm90ColBroadcast<0, CtaTile, EB, EC, Stride<_1, _0, int64_t>, 1>>,     //     bias_m[i]
+        Sm90ScalarBroadcast<EB, Stride<_0, _0, int64_t>>>>;                      //     bias_s
+
+// Z = beta * C + X, or X in a kernel without C (ES void).
+template <class EC, class ES, class X> struct ZOf {
+  using type = Sm90EVT<Sm90Compute<cutlass::homogeneous_multiply_add, EC, EC, kRound>,  // Z = beta * C + X
+                       Sm90ScalarBroadcast<EC, Stride<_0, _0, int64_t>>,                //   beta
+                       Sm90SrcFetch<ES>,                                                //   C
+                       X>;
+};
+template <class EC, class X> struct ZOf<EC, void, X> {
+  using type = X;
+};
+
 template <class CtaTile, class EpiTile, int StagesD, class SmemLayoutAtom, class CopyOpR2S, class EO, class EC,
           class EB, class ES, class StrideZ, bool ActCall, int OneAct>
 using Tree =
     Sm90EVT<Sm90Compute<ActFnOf<ActCall, OneAct>::template Fn, EO, EC, kRound>,     // Y = act(Z)
       Sm90EVT<Sm90AuxStore<StagesD, EpiTile, EO, kRound, StrideZ, SmemLayoutAtom, CopyOpR2S>,  // store Z (optional)
-        Sm90EVT<Sm90Compute<cutlass::homogeneous_multiply_add, EC, EC, kRound>,      // Z = beta * C + X
-          Sm90ScalarBroadcast<EC, Stride<_0, _0, int64_t>>,                          //   beta
-          Sm90SrcFetch<ES>,                                                          //   C
-          Sm90EVT<Sm90Compute<cutlass::homogeneous_multiply_add, EC, EC, kRound>,    //   X = alpha * acc + bias
-            Sm90ScalarBroadcast<EC, Stride<_0, _0, int64_t>>,                        //     alpha
-            Sm90AccFetch,                                                            //     acc
-            Sm90EVT<Sm90Compute<cutlass::plus, EC, EC, kRound>,                      //     bias = (n + m) + s
-              Sm90EVT<Sm90Compute<cutlass::plus, EC, EC, kRound>,
-                Sm90RowBroadcast<0, CtaTile, EB, EC, Stride<_0, _1, int64_t>, 1>,    //       bias_n[j]
-                Sm90ColBroadcast<0, CtaTile, EB, EC, Stride<_1, _0, int64_t>, 1>>,   //       bias_m[i]
-              Sm90ScalarBroadcast<EB, Stride<_0, _0, int64_t>>>>>>>;                 //       bias_s
+        typename ZOf<EC, ES, AlphaAccBias<CtaTile, EC, EB>>::type>>;
 }  // namespace evt
 
 }  // namespace regemm::cutlass_sm90
@@ -220,24 +240,30 @@ struct FusionCallbacks<epilogue::Sm90TmaWarpSpecialized<StagesC, StagesD, Fragme
     operator typename Impl::Arguments() const {
       using cute::_0;
       using cute::_1;
-      return {  // Y = act(Z)
-          {  // store Z
-              {  // Z = beta * C + X
-                  {{beta}, {nullptr}, {{_0{}, _0{}, int64_t(0)}}},  // beta
-                  {},                                               // C
-                  {  // X = alpha * acc + bias
-                      {{alpha}, {nullptr}, {{_0{}, _0{}, int64_t(0)}}},  // alpha
-                      {},                                                // acc
-                      {  // bias = (n + m) + s
-                          {{bias_n, EB(0), {_0{}, _1{}, bias_n_batch_stride}},
-                           {bias_m, EB(0), {_1{}, _0{}, bias_m_batch_stride}},
-                           {}},
-                          {{EB(0)}, {bias_s}, {{_0{}, _0{}, bias_s_batch_stride}}},
-                          {}},
-                      {}},
-                  {}},
-              {z, dz}},
-          act};
+      using XArgs = typename regemm::cutlass_sm90::evt::AlphaAccBias<CtaTileShapeMNK, EC, EB>::Arguments;
+      const XArgs x{  // X = alpha * acc + bias
+          {{alpha}, {nullptr}, {{_0{}, _0{}, int64_t(0)}}},  // alpha
+          {},                                                // acc
+          {  // bias = (n + m) + s
+              {{bias_n, EB(0), {_0{}, _1{}, bias_n_batch_stride}},
+               {bias_m, EB(0), {_1{}, _0{}, bias_m_batch_stride}},
+               {}},
+              {{EB(0)}, {bias_s}, {{_0{}, _0{}, bias_s_batch_stride}}},
+              {}},
+          {}};
+      if constexpr (std::is_void_v<ES>) {
+        return {{x, {z, dz}}, act};  // Y = act(Z), store Z, Z = X
+      } else {
+        return {  // Y = act(Z)
+            {  // store Z
+                {  // Z = beta * C + X
+                    {{beta}, {nullptr}, {{_0{}, _0{}, int64_t(0)}}},  // beta
+                    {},                                               // C
+                    x,
+                    {}},
+                {z, dz}},
+            act};
+      }
     }
   };
 

@@ -94,8 +94,11 @@ struct GemmTypeOf {
   using LayoutB = std::conditional_t<TB || kSwap, ColMajor, RowMajor>;
   using LayoutC = std::conditional_t<kSwap, ColMajor, RowMajor>;
   static constexpr int kOneAct = OneAct;
+  // A kernel of one activation has no C (cutlass_epilogue.cuh says why).
+  static constexpr bool kHasC = OneAct == kAnyAct;
+  using ElementC = std::conditional_t<kHasC, T, void>;
   using Fusion = std::conditional_t<std::is_void_v<Fusion_>,
-                                    RegemmFusion<T, float, T, T, LayoutC, Cfg::kActCall, OneAct>, Fusion_>;
+                                    RegemmFusion<T, float, T, ElementC, LayoutC, Cfg::kActCall, OneAct>, Fusion_>;
 
   // Epilogue subtiles: CUTLASS's default (128x32 cooperative, 64x32 ping-pong).
   // 128x16 would leave the 128x256 bf16 mainloop 4 smem stages instead of 3,
@@ -105,7 +108,7 @@ struct GemmTypeOf {
 
   using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Cfg::Tile, typename Cfg::Cluster, EpiTile,
-      float, float, T, LayoutC, kAlign, T, LayoutC, kAlign, typename Cfg::Epilogue, Fusion>::CollectiveOp;
+      float, float, ElementC, LayoutC, kAlign, T, LayoutC, kAlign, typename Cfg::Epilogue, Fusion>::CollectiveOp;
 
   using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, T, LayoutA, kAlign, T, LayoutB, kAlign, float,
@@ -227,6 +230,7 @@ Status run_gemm_of(const GemmProblem& p, const GemmOperands& o, const Launch& l)
   const int64_t mn = p.m * p.n;
   const bool one = p.batch == 1;
   const bool use_c = p.has_c && p.beta != 0.0;
+  if (use_c && !G::kHasC) return {"dispatch", "kernel built without C"};
   // Without C, the C descriptor points at Y (any valid tensor) and beta = 0
   // makes the epilogue skip the load.
   const void* c_ptr = use_c ? o.c : o.y;

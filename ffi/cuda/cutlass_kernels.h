@@ -77,7 +77,8 @@ using RunFn = Status (*)(const GemmProblem&, const GemmOperands&, const Launch&)
 // activation is straight-line code of its own size; in the every-activation
 // kernel it is an out-of-line call, or one of eight inlined copies
 // (cutlass_epilogue.cuh, ActFn). Built for ping128x128c1 in 16-bit dtypes
-// (cutlass.cmake and cutlass_prebuild.sh: keep their lists equal to this one).
+// (cutlass.cmake and cutlass_prebuild.sh: keep their lists equal to this one),
+// without C (cutlass_epilogue.cuh says why).
 inline constexpr int kAnyAct = -1;
 inline constexpr Act kOneActs[] = {Act::kGelu, Act::kGeluErf, Act::kSigmoid, Act::kSilu};
 inline constexpr int kNumOneActs = int(sizeof kOneActs / sizeof kOneActs[0]);
