@@ -276,11 +276,11 @@ Status run_config(const GemmProblem& p, const GemmOperands& o, const Launch& l, 
 }
 
 // l.alloc hands out the workspace from its start on every request (each
-// launch may reuse it: runtime.h). With B^T (or dgrad_dact's partial sums)
-// at the start, the kernels' own requests are served from behind it.
+// launch may reuse it: runtime.h). With B^T at the start, the kernels' own
+// requests are served from behind it.
 struct AfterStart {
   Launch base;
-  size_t skip;  // bytes held at the start (B^T's, or the partial sums'), rounded up to the alignment
+  size_t skip;  // bytes held at the start (B^T's), rounded up to the alignment
 };
 void* alloc_after_start(void* ctx, size_t bytes) {
   const auto* a = static_cast<const AfterStart*>(ctx);
