@@ -162,13 +162,13 @@ def test_every_activation_in_every_config(way, dtype, act, monkeypatch):
 
 
 # The kernels of one costly activation (ffi/cuda/cutlass_kernels.h, kOneActs:
-# ping128x128c1, 16-bit dtypes, every layout, built without C): each runs where
+# ping128x128c1, every dtype and layout, built without C): each runs where
 # its activation is asked for without C, matches the reference, and gives the
 # bits of the every-activation kernel (REGEMM_CUTLASS_ONE_ACT=0), which computes
 # the same expressions as out-of-line calls; with a C the every-activation
 # kernel runs.
 @pytest.mark.skipif(not CUTLASS, reason="needs a Hopper GPU and the CUTLASS kernels")
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
 @pytest.mark.parametrize("ta,tb", [(False, False), (False, True), (True, False), (True, True)])
 @pytest.mark.parametrize("act", ["gelu", "gelu_erf", "sigmoid", "silu"])
 def test_one_act_kernels(dtype, ta, tb, act, monkeypatch):

@@ -135,7 +135,7 @@ std::unique_ptr<Plan> build(const GemmProblem& p, int64_t rows) {
   dnnl::primitive_attr attr;
   attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
   if (p.alpha != 1.0) attr.set_scales_mask(DNNL_ARG_SRC, 0);
-  plan->sum_c = p.has_c && p.beta != 0.0;
+  plan->sum_c = p.uses_c();
   if (plan->sum_c) {
     dnnl::post_ops ops;
     ops.append_sum(float(p.beta));

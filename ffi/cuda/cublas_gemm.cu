@@ -198,8 +198,6 @@ ColMajorGemm col_major(const GemmProblem& p, const GemmOperands& o) {
                       o.y, p.n, p.m * p.n};
 }
 
-bool use_c(const GemmProblem& p) { return p.has_c && p.beta != 0.0; }
-
 // The cuBLASLt epilogue that computes the whole problem in the matmul, if
 // any: act none, relu, or gelu (not for f32 HIGHEST and f64, where the
 // precise pass is the reference); a per-column bias (16-byte aligned: there
@@ -381,13 +379,13 @@ struct LtCall {
 bool lt_call(const GemmProblem& p, const GemmOperands& o, Way way, LtCall* c) {
   c->o = o;
   if (way == kLtFused) {
-    c->with_c = use_c(p);
+    c->with_c = p.uses_c();
     return lt_epilogue(p, o, &c->epilogue);
   }
   if (way != kLtPass || p.is_plain_gemm()) return false;
   c->into_z = matmul_into_z(p, o);
   c->epilogue = c->into_z && p.bias_kind == BiasKind::kPerCol ? CUBLASLT_EPILOGUE_BIAS : CUBLASLT_EPILOGUE_DEFAULT;
-  c->with_c = c->into_z && use_c(p);
+  c->with_c = c->into_z && p.uses_c();
   if (c->into_z) c->o.y = o.z;
   return true;
 }

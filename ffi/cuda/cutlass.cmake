@@ -103,9 +103,9 @@ set(_regemm_cutlass_short_kPing128x128c1 ping1)
 set(_regemm_cutlass_enum_bf16 kBF16)
 set(_regemm_cutlass_enum_f16 kF16)
 set(_regemm_cutlass_enum_f32 kF32)
-# Kernels of one activation: ping128x128c1, 16-bit dtypes (kOneActs).
+# Kernels of one activation: ping128x128c1, every dtype (kOneActs).
 set(_regemm_cutlass_one_act_configs kPing128x128c1)
-set(_regemm_cutlass_one_act_dtypes bf16 f16)
+set(_regemm_cutlass_one_act_dtypes bf16 f16 f32)
 set(_regemm_cutlass_one_acts gelu:kGelu gelu_erf:kGeluErf sigmoid:kSigmoid silu:kSilu)
 set(_regemm_cutlass_prebuilt_objs "")
 foreach(_dt IN LISTS REGEMM_CUTLASS_DTYPES)

@@ -82,7 +82,7 @@ namespace {
 // something we rely on (REGEMM_CUTLASS_TMA_STRIDE0=1 tries it, for testing).
 // ---------------------------------------------------------------------------
 Status launch(RunFn fn, const GemmProblem& p, const GemmOperands& o, const Launch& l) {
-  const bool use_c = p.has_c && p.beta != 0.0;
+  const bool use_c = p.uses_c();
   const bool zero_stride = p.batch > 1 && (p.stride_a == 0 || p.stride_b == 0 || (use_c && p.stride_c == 0));
   const bool stride0_ok = env_on("REGEMM_CUTLASS_TMA_STRIDE0");
   host_mark(HostPhase::kLaunch);  // the kernel's own setup (CUTLASS arguments, TMA descriptors) and launch follow
@@ -180,7 +180,7 @@ int forced_split() {
 RunFn kernel_for(const GemmProblem& p, Config c) {
   const auto& table = KernelTable::get();
   RunFn any = table.find(p.dtype, p.trans_a, p.trans_b, c);
-  if (KernelTable::act_slot(int(p.act)) == 0 || (p.has_c && p.beta != 0.0) || env_off("REGEMM_CUTLASS_ONE_ACT"))
+  if (KernelTable::act_slot(int(p.act)) == 0 || p.uses_c() || env_off("REGEMM_CUTLASS_ONE_ACT"))
     return any;
   RunFn own = table.find(p.dtype, p.trans_a, p.trans_b, c, p.act);
   if (own != any) g_one_act_launches.fetch_add(1, std::memory_order_relaxed);

@@ -229,10 +229,11 @@ Status run_gemm_of(const GemmProblem& p, const GemmOperands& o, const Launch& l)
 
   const int64_t mn = p.m * p.n;
   const bool one = p.batch == 1;
-  const bool use_c = p.has_c && p.beta != 0.0;
+  const bool use_c = p.uses_c();
   if (use_c && !G::kHasC) return {"dispatch", "kernel built without C"};
-  // Without C, the C descriptor points at Y (any valid tensor) and beta = 0
-  // makes the epilogue skip the load.
+  // A kernel with C given a problem without one: the C descriptor points at
+  // Y (any valid tensor) and beta = 0 makes the epilogue skip the load. A
+  // kernel without C ignores the pointer.
   const void* c_ptr = use_c ? o.c : o.y;
   const int64_t c_batch = one ? 0 : (use_c ? p.stride_c : mn);
   const int64_t d_batch = one ? 0 : mn;

@@ -76,7 +76,7 @@ using RunFn = Status (*)(const GemmProblem&, const GemmOperands&, const Launch&)
 // other warpgroup's MMAs (ping-pong at many waves): inline and alone, the
 // activation is straight-line code of its own size; in the every-activation
 // kernel it is an out-of-line call, or one of eight inlined copies
-// (cutlass_epilogue.cuh, ActFn). Built for ping128x128c1 in 16-bit dtypes
+// (cutlass_epilogue.cuh, ActFn). Built for ping128x128c1 in every dtype
 // (cutlass.cmake and cutlass_prebuild.sh: keep their lists equal to this one),
 // without C (cutlass_epilogue.cuh says why).
 inline constexpr int kAnyAct = -1;

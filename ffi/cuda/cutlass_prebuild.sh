@@ -22,12 +22,12 @@ FLAGS="-std=c++17 -O3 -DNDEBUG --expt-relaxed-constexpr -gencode=arch=compute_90
 
 declare -A ENUM=([bf16]=kBF16 [f16]=kF16 [f32]=kF32)
 declare -A CFG=([coop]=kCoop128x256 [ping]=kPing128x128 [streamk]=kStreamK128x128 [ping1]=kPing128x128c1)
-# Kernels of one activation (cutlass_kernels.h, kOneActs): ping1, 16-bit dtypes.
+# Kernels of one activation (cutlass_kernels.h, kOneActs): ping1, every dtype.
 declare -A ACT=([gelu]=kGelu [gelu_erf]=kGeluErf [sigmoid]=kSigmoid [silu]=kSilu)
 rm -f "$OUTDIR"/src/*.cu
 [ "$KERNELS" = all ] && for dt in $DTYPES; do for ta in false true; do for tb in false true; do for c in coop ping streamk ping1; do
   acts=any
-  [ "$c" = ping1 ] && [ "$dt" != f32 ] && acts="any gelu gelu_erf sigmoid silu"
+  [ "$c" = ping1 ] && acts="any gelu gelu_erf sigmoid silu"
   for act in $acts; do
     n=cutlass_${dt}_${ta:0:1}${tb:0:1}_$c
     a=kAnyAct

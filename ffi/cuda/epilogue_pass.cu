@@ -100,7 +100,7 @@ cudaError_t launch_math(const PassArgs& a, Act act, bool fast, cudaStream_t stre
 const char* epilogue_pass(const GemmProblem& p, const GemmOperands& o, bool with_bias_c, bool fast_math,
                           cudaStream_t stream, bool from_z) {
   if (p.m == 0 || p.n == 0 || p.batch == 0) return nullptr;
-  const bool use_c = with_bias_c && p.has_c && p.beta != 0.0;
+  const bool use_c = with_bias_c && p.uses_c();
   const PassArgs a{p.m, p.n, p.batch, p.stride_bias, p.stride_c,
                    with_bias_c && p.bias_kind != BiasKind::kNone ? o.bias : nullptr,
                    use_c ? o.c : nullptr, from_z ? o.z : o.y, o.y, from_z ? nullptr : o.z,

@@ -129,7 +129,7 @@ struct KeyHash {
 };
 
 Key key_of(int device, const GemmProblem& p, const GemmOperands& o) {
-  const bool use_c = p.has_c && p.beta != 0.0;
+  const bool use_c = p.uses_c();
   uint32_t al = std::min({alignment(o.a), alignment(o.b), alignment(o.y), alignment(o.z)});
   if (use_c) al = std::min(al, alignment(o.c));
   if (o.bias) al = std::min(al, alignment(o.bias));

@@ -73,6 +73,9 @@ struct GemmProblem {
   bool is_plain_gemm() const {
     return act == Act::kNone && bias_kind == BiasKind::kNone && !has_c && !store_z;
   }
+  // Whether beta * C is computed: C given and beta nonzero (beta 0 never
+  // reads C, as in BLAS).
+  bool uses_c() const { return has_c && beta != 0.0; }
 };
 
 struct GemmOperands {
