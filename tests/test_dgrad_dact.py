@@ -70,8 +70,9 @@ def test_dgrad_dact_bias_kinds_transposes_batches(rand, kind, ta, tb):
 
 # ---------------------------------------------------------------------------
 # The GPU's fused kernel (CUTLASS sm90: the act' in the dgrad GEMM's epilogue, S
-# an aux load; the bias gradient summed from the stored gZ by the dact pass;
-# opt-in, REGEMM_FUSED_DGRAD=1).
+# an aux load, the bias gradient's column sums per tile there too, added over
+# the tiles in order by a kernel after it; a way the tuner times,
+# REGEMM_FUSED_DGRAD=1 forces it).
 # Skips without it.
 # ---------------------------------------------------------------------------
 
@@ -118,11 +119,12 @@ def test_fused_kernel_against_numpy(rand, monkeypatch, dtype, tb, act, from_y):
     way's (GEMM, then the dact pass, the default) within the dtype's tolerance."""
     from conftest import tol
 
-    monkeypatch.setenv("REGEMM_FUSED_DGRAD", "1")  # opt-in (cutlass_registry.cu says why)
+    monkeypatch.setenv("REGEMM_FUSED_DGRAD", "1")  # forced (untimed, the composed way runs)
     f, args, gz_ref, gb_ref = _fused_case(rand, dtype, tb, act, from_y, "per_col")
-    n0 = CUDA.cutlass_dgrad_dact_launches()
+    n0, s0 = CUDA.cutlass_dgrad_dact_launches(), CUDA.cutlass_dgrad_bias_sums()
     gz, gb = jax.block_until_ready(f(*args))
     assert CUDA.cutlass_dgrad_dact_launches() == n0 + 1
+    assert CUDA.cutlass_dgrad_bias_sums() == s0 + 1  # in the kernel's epilogue, not by a pass over gZ
     assert_rel(gz, gz_ref, dtype, None, f"gZ {act}")
     assert_rel(gb, gb_ref, dtype, None, f"gBias {act}")
     monkeypatch.setenv("REGEMM_FUSED_DGRAD", "0")
@@ -137,7 +139,7 @@ def test_fused_kernel_batches_and_no_bias(rand, monkeypatch):
     gradient (the GEMM alone); the bias gradient is the same bits on every run."""
     monkeypatch.setenv("REGEMM_FUSED_DGRAD", "1")
     f, args, gz_ref, gb_ref = _fused_case(rand, jnp.bfloat16, True, "gelu", False, "per_col", batch=(3,))
-    n0 = CUDA.cutlass_dgrad_dact_launches()
+    n0, s0 = CUDA.cutlass_dgrad_dact_launches(), CUDA.cutlass_dgrad_bias_sums()
     gz, gb = f(*args)
     assert_rel(gz, gz_ref, jnp.bfloat16, None, "gZ")
     assert_rel(gb, gb_ref, jnp.bfloat16, None, "gBias")
@@ -147,6 +149,22 @@ def test_fused_kernel_batches_and_no_bias(rand, monkeypatch):
     assert gb is None
     assert_rel(gz, gz_ref, jnp.bfloat16, None, "gZ")
     assert CUDA.cutlass_dgrad_dact_launches() == n0 + 3
+    assert CUDA.cutlass_dgrad_bias_sums() == s0 + 2
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_fused_kernel_bias_gradient_many_tiles(rand, monkeypatch, dtype):
+    """The bias gradient's partial sums of many CTA tiles (33 along M, the last partial; 5 along
+    N, the last partial): against float64 NumPy, and the same bits on every run."""
+    monkeypatch.setenv("REGEMM_FUSED_DGRAD", "1")
+    f, args, gz_ref, gb_ref = _fused_case(rand, dtype, True, "relu", False, "per_col", m=4100, n=520, k=64)
+    s0 = CUDA.cutlass_dgrad_bias_sums()
+    gz, gb = jax.block_until_ready(f(*args))
+    assert CUDA.cutlass_dgrad_bias_sums() == s0 + 1
+    assert_rel(gz, gz_ref, dtype, None, "gZ")
+    assert_rel(gb, gb_ref, dtype, None, "gBias")
+    np.testing.assert_array_equal(np.asarray(f(*args)[1], np.float32), np.asarray(gb, np.float32))
 
 
 # ---------------------------------------------------------------------------

@@ -11,12 +11,16 @@
 namespace regemm::cutlass_sm90 {
 
 // regemm_dgrad_dact's GEMM (A not transposed): gZ = (alpha op(A) op(B)) act'(S),
-// S read as an aux matrix (the bias gradient is summed from gZ afterwards).
+// S read as an aux matrix, and the bias gradient's column sums of each warp's
+// rows of each CTA tile into `partials` (f32, per batch entry
+// [dgrad_partials_rows(M)][dgrad_partials_ld(N)], the entries one after
+// another; null: no bias gradient), summed afterwards in order.
 struct DgradOperands {
   const void* a;
   const void* b;
   const void* s;
   void* gz;
+  float* partials = nullptr;
 };
 using DgradRunFn = Status (*)(const GemmProblem&, const DactProblem&, const DgradOperands&, const Launch&);
 
@@ -25,6 +29,12 @@ using DgradRunFn = Status (*)(const GemmProblem&, const DactProblem&, const Dgra
 // warpgroup's MMAs; the 128x256 cooperative tile was slower at every shape
 // measured, tools/tile_bench).
 inline constexpr Config kDgradConfig = Config::kPing128x128c1;
+inline constexpr int64_t kDgradTileM = 128, kDgradTileN = 128;  // its CTA tile
+// The warps of its epilogue (one consumer warpgroup), stacked along M: a row
+// of partial sums each.
+inline constexpr int kDgradPartialRowsPerTile = 4;
+inline int64_t dgrad_partials_rows(int64_t m) { return (m + kDgradTileM - 1) / kDgradTileM * kDgradPartialRowsPerTile; }
+inline int64_t dgrad_partials_ld(int64_t n) { return (n + kDgradTileN - 1) / kDgradTileN * kDgradTileN; }
 
 // The act' forms of a kernel, its slot: 0 the cheap ones (relu, leaky_relu,
 // tanh and none from Z; every form from Y), inline behind one switch; 1 + i
@@ -54,9 +64,10 @@ class DgradTable {
   DgradRunFn fns_[3][2][kNumDgradActSlots] = {};
 };
 
-// Launches of these kernels so far (a test hook: the module's
-// cutlass_dgrad_dact_launches()).
+// Launches of these kernels so far, and of those that summed a bias gradient
+// (test hooks: the module's cutlass_dgrad_dact_launches(), cutlass_dgrad_bias_sums()).
 inline std::atomic<int64_t> g_dgrad_dact_launches{0};
+inline std::atomic<int64_t> g_dgrad_bias_sums{0};
 
 template <DType D, bool TB, int Slot>
 Status run_dgrad_dact(const GemmProblem& p, const DactProblem& d, const DgradOperands& o, const Launch& l);

@@ -369,13 +369,76 @@ bool can_launch_dgrad_dact(const DgradOperands& o) {
   return aligned16(o.a) && aligned16(o.b) && aligned16(o.s) && aligned16(o.gz);
 }
 
-Status run_dgrad_dact(const GemmProblem& p, const DactProblem& d, const DgradOperands& o, const Launch& l) {
+namespace {
+
+// gbias[b][j] = sum over the rows r of partials[b][r][j], in a fixed order:
+// warp w of a block (32 columns) adds rows w, w + 32, ... (8 loads in flight),
+// then warp 0 adds the 32 warp sums in order. Deterministic: no atomics.
+constexpr int kSumWarps = 32;
+template <class T>
+__global__ void __launch_bounds__(32 * kSumWarps)
+    sum_partials_kernel(const float* __restrict__ partials, int64_t rows, int64_t n, int64_t ld, int64_t batch,
+                        T* __restrict__ gbias) {
+  __shared__ float red[kSumWarps][32];
+  const int64_t j = int64_t(blockIdx.x) * 32 + threadIdx.x;
+  for (int64_t b = blockIdx.y; b < batch; b += gridDim.y) {
+    const float* part = partials + b * rows * ld;
+    float acc = 0.0f;
+    if (j < n)
+#pragma unroll 8
+      for (int64_t r = threadIdx.y; r < rows; r += kSumWarps) acc += part[r * ld + j];
+    red[threadIdx.y][threadIdx.x] = acc;
+    __syncthreads();
+    if (threadIdx.y == 0 && j < n) {
+      float sum = 0.0f;
+#pragma unroll
+      for (int w = 0; w < kSumWarps; ++w) sum += red[w][threadIdx.x];
+      gbias[b * n + j] = store<T>(sum);
+    }
+    __syncthreads();
+  }
+}
+
+template <class T>
+Status sum_partials(const float* partials, const GemmProblem& p, void* gbias, const Launch& l) {
+  const dim3 grid(unsigned(ceil_div(p.n, 32)), unsigned(p.batch < 65535 ? p.batch : 65535));
+  sum_partials_kernel<<<grid, dim3(32, kSumWarps), 0, l.stream>>>(
+      partials, dgrad_partials_rows(p.m), p.n, dgrad_partials_ld(p.n), p.batch, static_cast<T*>(gbias));
+  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return {"bias gradient sum launch", cudaGetErrorString(e)};
+  if (l.enqueued) ++*l.enqueued;
+  return {};
+}
+
+}  // namespace
+
+Status run_dgrad_dact(const GemmProblem& p, const DactProblem& d, const DgradOperands& o, void* gbias,
+                      const Launch& l, bool* summed) {
+  *summed = false;
   const DgradRunFn fn = DgradTable::get().find(p.dtype, p.trans_b, dgrad_act_slot(d.act, d.from_y));
   if (!fn) return {"dispatch", "no dgrad_dact kernel built for this dtype, layout and act"};
+  // The partial sums at the workspace's start, the kernel's own requests behind
+  // them; where they have no room (a workspace sized for the GEMM alone,
+  // workspace.h) the kernel runs without them and the caller sums gZ.
+  const size_t bytes = size_t(dgrad_partials_rows(p.m) * dgrad_partials_ld(p.n) * p.batch) * sizeof(float);
+  DgradOperands ok = o;
+  ok.partials = gbias && l.alloc ? static_cast<float*>(l.alloc(l.alloc_ctx, bytes)) : nullptr;
+  Launch lk = l;
+  AfterStart after{l, (bytes + kWorkspaceAlign - 1) & ~(kWorkspaceAlign - 1)};
+  if (ok.partials) {
+    lk.alloc = alloc_after_start;
+    lk.alloc_ctx = &after;
+  }
   host_mark(HostPhase::kLaunch);
-  if (Status st = fn(p, d, o, l); !st.ok()) return st;
+  if (Status st = fn(p, d, ok, lk); !st.ok()) return st;
   g_dgrad_dact_launches.fetch_add(1, std::memory_order_relaxed);
-  return {};
+  if (!ok.partials) return {};
+  *summed = true;
+  g_dgrad_bias_sums.fetch_add(1, std::memory_order_relaxed);
+  switch (p.dtype) {
+    case DType::kBF16: return sum_partials<bf16_t>(ok.partials, p, gbias, l);
+    case DType::kF16: return sum_partials<f16_t>(ok.partials, p, gbias, l);
+    default: return sum_partials<float>(ok.partials, p, gbias, l);
+  }
 }
 
 }  // namespace regemm::cutlass_sm90

@@ -47,10 +47,13 @@ const char* rule_choice_name(const GemmProblem& p, const DeviceInfo& dev);
 
 // regemm_dgrad_dact's GEMM with act' in its epilogue (cutlass_dgrad.h): whether
 // it can run (p: the plain dgrad GEMM; d: the backward epilogue) and the run
-// (the kernel of d's act slot). The bias gradient is the caller's
-// (cutlass_registry.cu).
+// (the kernel of d's act slot). With gbias (d's bias kind per_col) the kernel
+// sums the bias gradient too, where the workspace has room for its partial
+// sums: *summed says whether it did (else the caller sums the stored gZ,
+// cutlass_registry.cu).
 bool can_run_dgrad_dact(const GemmProblem& p, const DactProblem& d);
 bool can_launch_dgrad_dact(const DgradOperands& o);
-Status run_dgrad_dact(const GemmProblem& p, const DactProblem& d, const DgradOperands& o, const Launch& l);
+Status run_dgrad_dact(const GemmProblem& p, const DactProblem& d, const DgradOperands& o, void* gbias,
+                      const Launch& l, bool* summed);
 
 }  // namespace regemm::cutlass_sm90

@@ -75,15 +75,16 @@ ffi::Error run_variant(const GemmProblem& p, const GemmOperands& o, CudaRuntime&
 const Register<GemmProblem, GemmOperands, CudaRuntime> kRegister(
     {kName, kPriority, supports, run_entry, variants, run_variant});
 
-// regemm_dgrad_dact with act' in the GEMM's epilogue (cutlass_dispatch.h), then
-// the bias gradient, where there is one, by the dact pass with act none over
-// the stored gZ (a read-only pass: as the cuBLASLt DGELU way, cublas_gemm.cu).
-// A way the tuner times against cuBLAS's composed one (its dgrad GEMM, then
-// the in-place dact pass) and DGELU ones: inside the 32768x512x12 bf16 step on
-// the H100 it wins without a bias gradient (relu: 48 us a layer against 60),
-// and loses with one (the bias gradient's read-only pass, 21 us) and at 4096
-// wide (docs/performance.md). Untimed (REGEMM_TUNE=0, a call captured into a
-// CUDA graph before its signature was timed) the composed way runs, unless
+// regemm_dgrad_dact with act' in the GEMM's epilogue and the bias gradient's
+// column sums there too, added up by a small kernel after it
+// (cutlass_dispatch.h; where the workspace has no room for the sums, the dact
+// pass with act none sums the stored gZ instead, as after cuBLASLt's DGELU
+// matmul, cublas_gemm.cu). A way the tuner times against cuBLAS's composed one
+// (its dgrad GEMM, then the in-place dact pass) and DGELU ones: it wins where
+// the act' pass is large against the GEMM (narrow layers, cheap act' forms)
+// and loses at 4096 wide, where CUTLASS's mainloop is behind cuBLAS's
+// (docs/performance.md). Untimed (REGEMM_TUNE=0, a call captured into a CUDA
+// graph before its signature was timed) the composed way runs, unless
 // REGEMM_FUSED_DGRAD=1 forces the fused one; =0 keeps it out. Never where
 // REGEMM_BACKEND forces another kernel (the sanitizers' runs keep TMA kernels
 // out).
@@ -96,9 +97,12 @@ ffi::Error run_fused(const DgradDactProblem& q, const DgradDactOperands& o, Cuda
   const DeviceInfo* dev = sm90_device();
   const DgradOperands ok{o.a, o.b, o.s, o.gz};
   if (!dev || !can_launch_dgrad_dact(ok)) return dgrad_then_dact(q, o, rt);  // a buffer not 16-byte aligned
+  bool summed = false;
+  void* gbias = q.dact.bias_kind == BiasKind::kPerCol ? o.gbias : nullptr;
   if (q.gemm.m * q.gemm.n > 0)
-    if (auto e = to_ffi(run_dgrad_dact(q.gemm, q.dact, ok, launch_for(rt, *dev))); e.failure()) return e;
-  return bias_grad_from_gz(q, o, rt);
+    if (auto e = to_ffi(run_dgrad_dact(q.gemm, q.dact, ok, gbias, launch_for(rt, *dev), &summed)); e.failure())
+      return e;
+  return summed ? ffi::Error::Success() : bias_grad_from_gz(q, o, rt);
 }
 
 // The rule, untimed: the composed way unless the fused one is forced.

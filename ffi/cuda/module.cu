@@ -74,6 +74,7 @@ NB_MODULE(_regemm_cuda, m) {
   // cutlass_kernels.h, which needs no CUTLASS headers: 0 in a build without them).
   m.def("cutlass_one_act_launches", [] { return regemm::cutlass_sm90::g_one_act_launches.load(); });
   m.def("cutlass_dgrad_dact_launches", [] { return regemm::cutlass_sm90::g_dgrad_dact_launches.load(); });
+  m.def("cutlass_dgrad_bias_sums", [] { return regemm::cutlass_sm90::g_dgrad_bias_sums.load(); });
   // (handler calls, seconds of host time in them) so far (runtime.h).
   m.def("host_time", [] { return nb::make_tuple(regemm::g_host_calls.load(), regemm::g_host_ns.load() * 1e-9); });
   // The host timeline (host_marks.h): [(phase, monotonic ns)] recorded since the

@@ -41,8 +41,11 @@ size_t dact_workspace_bytes(DType t, int64_t m, int64_t n, int64_t batch, BiasKi
 inline size_t gemm_workspace_bytes() { return kGemmWorkspaceBytes + kWorkspaceAlign; }
 
 // regemm_dgrad_dact: the GEMM's workspace, then the dact pass's (the composed
-// way, and the fused kernel followed by its bias gradient; cuBLASLt's DGELU
-// matmul, then the bias gradient), one after the other on the stream.
+// way; cuBLASLt's DGELU matmul, then the bias gradient), one after the other on
+// the stream. The fused kernel's partial bias sums (1/16 of a 16-bit gZ's
+// bytes: 2 MiB at 32768 x 512) come out of the GEMM's share; where they do
+// not fit it the kernel runs without them (cutlass_dispatch.cu), so this way
+// never makes the call's workspace larger than XLA's own GEMM's.
 inline size_t dgrad_dact_workspace_bytes(DType t, int64_t m, int64_t n, int64_t batch, BiasKind kind) {
   const size_t gemm = gemm_workspace_bytes();
   const size_t dact = dact_workspace_bytes(t, m, n, batch, kind);
