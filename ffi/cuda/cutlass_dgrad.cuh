@@ -125,8 +125,8 @@ namespace evt {  // (cutlass_epilogue.cuh's: its names and kRound)
 // indexed at compile time). The epilogue walks a CTA tile's subtiles column of
 // subtiles by column (epi_n outer, epi_m inner: sm90_epilogue_tma_warpspecialized.hpp),
 // so after a column's last subtile the sums are complete for this warp's rows:
-// the lanes that share columns add theirs with shuffles in a fixed order, and
-// the first of them writes the warp's sums to its row of partials,
+// the lanes that share columns add theirs with shuffles in a fixed order (reduce
+// below) and write the warp's sums to its row of partials,
 //
 //   partials[(l * tiles_m + m) * RowsPerTile + warp][n * CTA_N + j]      (ld apart)
 //
@@ -194,19 +194,44 @@ struct ColSumPartials {
       return gz;
     }
 
+    // After a column of subtiles: the sums of the lanes along M added up. Where
+    // each lane has a multiple of their number of values (16-bit: 8 values, 8
+    // lanes), by halving exchanges: at each step a lane sends the half of its
+    // values that its partner keeps (7 shuffles for 8 values), and ends with
+    // n / L consecutive ones, which it writes (a warp's stores coalesced).
+    // Else by a tree onto the first lane along M.
     template <class STensor, class SyncFn, class VTensor>
     CUTLASS_DEVICE void reduce(STensor&&, SyncFn const&, int epi_m, int epi_n, bool, VTensor) {
       if (!on || epi_m != LastM) return;
       auto s = cute::filter(sums);
-      CUTLASS_PRAGMA_UNROLL
-      for (int d = cute::size<0>(Lanes{}) / 2; d > 0; d /= 2) {
+      auto o = cute::filter(out(cute::_, cute::_, cute::_, _0{}, epi_n));
+      constexpr int n = decltype(cute::size(s))::value, L = decltype(cute::size<0>(Lanes{}))::value;
+      if constexpr (n % L == 0) {
+        float v[n];
         CUTLASS_PRAGMA_UNROLL
-        for (int i = 0; i < cute::size(s); ++i) s(i) += __shfl_down_sync(0xffffffffu, s(i), lanes(d, _0{}));
-      }
-      if (lane_m == 0) {
-        auto o = cute::filter(out(cute::_, cute::_, cute::_, _0{}, epi_n));
+        for (int i = 0; i < n; ++i) v[i] = s(i);
         CUTLASS_PRAGMA_UNROLL
-        for (int i = 0; i < cute::size(s); ++i) o(i) = s(i);
+        for (int h = L / 2, half = n / 2; h > 0; h /= 2, half /= 2) {
+          const bool upper = lane_m & h;
+          CUTLASS_PRAGMA_UNROLL
+          for (int r = 0; r < half; ++r) {
+            const float send = upper ? v[r] : v[r + half];
+            const float keep = upper ? v[r + half] : v[r];
+            v[r] = keep + __shfl_xor_sync(0xffffffffu, send, lanes(h, _0{}));
+          }
+        }
+        CUTLASS_PRAGMA_UNROLL
+        for (int r = 0; r < n / L; ++r) o(n / L * lane_m + r) = v[r];
+      } else {
+        CUTLASS_PRAGMA_UNROLL
+        for (int d = L / 2; d > 0; d /= 2) {
+          CUTLASS_PRAGMA_UNROLL
+          for (int i = 0; i < n; ++i) s(i) += __shfl_down_sync(0xffffffffu, s(i), lanes(d, _0{}));
+        }
+        if (lane_m == 0) {
+          CUTLASS_PRAGMA_UNROLL
+          for (int i = 0; i < n; ++i) o(i) = s(i);
+        }
       }
       cute::fill(sums, 0.0f);
     }

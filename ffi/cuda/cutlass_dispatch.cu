@@ -372,37 +372,40 @@ bool can_launch_dgrad_dact(const DgradOperands& o) {
 namespace {
 
 // gbias[b][j] = sum over the rows r of partials[b][r][j], in a fixed order:
-// warp w of a block (32 columns) adds rows w, w + 32, ... (8 loads in flight),
-// then warp 0 adds the 32 warp sums in order. Deterministic: no atomics.
-constexpr int kSumWarps = 32;
+// thread (x, y) of a block (8 columns x 128 groups of rows) adds rows y,
+// y + 128, ... of column x (8 loads in flight: at 32768 x 512 every thread
+// has 8 rows, one round of loads), then a fixed tree adds the 128 groups.
+// Narrow blocks put the sum of 512 columns on 64 SMs (32-column blocks used 16
+// and took 4.7 us there, latency-bound). Deterministic: no atomics.
+constexpr int kSumCols = 8, kSumGroups = 128;
 template <class T>
-__global__ void __launch_bounds__(32 * kSumWarps)
+__global__ void __launch_bounds__(kSumCols * kSumGroups)
     sum_partials_kernel(const float* __restrict__ partials, int64_t rows, int64_t n, int64_t ld, int64_t batch,
                         T* __restrict__ gbias) {
-  __shared__ float red[kSumWarps][32];
-  const int64_t j = int64_t(blockIdx.x) * 32 + threadIdx.x;
+  __shared__ float red[kSumGroups][kSumCols];
+  const int64_t j = int64_t(blockIdx.x) * kSumCols + threadIdx.x;
   for (int64_t b = blockIdx.y; b < batch; b += gridDim.y) {
     const float* part = partials + b * rows * ld;
     float acc = 0.0f;
     if (j < n)
 #pragma unroll 8
-      for (int64_t r = threadIdx.y; r < rows; r += kSumWarps) acc += part[r * ld + j];
+      for (int64_t r = threadIdx.y; r < rows; r += kSumGroups) acc += part[r * ld + j];
     red[threadIdx.y][threadIdx.x] = acc;
     __syncthreads();
-    if (threadIdx.y == 0 && j < n) {
-      float sum = 0.0f;
 #pragma unroll
-      for (int w = 0; w < kSumWarps; ++w) sum += red[w][threadIdx.x];
-      gbias[b * n + j] = store<T>(sum);
+    for (int h = kSumGroups / 2; h > 0; h /= 2) {
+      if (threadIdx.y < h) red[threadIdx.y][threadIdx.x] += red[threadIdx.y + h][threadIdx.x];
+      __syncthreads();
     }
-    __syncthreads();
+    if (threadIdx.y == 0 && j < n) gbias[b * n + j] = store<T>(red[0][threadIdx.x]);
+    __syncthreads();  // red is reused by the next batch entry
   }
 }
 
 template <class T>
 Status sum_partials(const float* partials, const GemmProblem& p, void* gbias, const Launch& l) {
-  const dim3 grid(unsigned(ceil_div(p.n, 32)), unsigned(p.batch < 65535 ? p.batch : 65535));
-  sum_partials_kernel<<<grid, dim3(32, kSumWarps), 0, l.stream>>>(
+  const dim3 grid(unsigned(ceil_div(p.n, kSumCols)), unsigned(p.batch < 65535 ? p.batch : 65535));
+  sum_partials_kernel<<<grid, dim3(kSumCols, kSumGroups), 0, l.stream>>>(
       partials, dgrad_partials_rows(p.m), p.n, dgrad_partials_ld(p.n), p.batch, static_cast<T*>(gbias));
   if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return {"bias gradient sum launch", cudaGetErrorString(e)};
   if (l.enqueued) ++*l.enqueued;
