@@ -20,10 +20,12 @@
 //   forms inline behind a switch, each costly one in a kernel of its own
 //   (every form behind one run-time switch with out-of-line calls: 64 us);
 // - column sums that live in registers for one column of epilogue subtiles
-//   only (ColSumPartials below). CUTLASS's Sm90RowReduction keeps a row of the
-//   whole CTA tile per thread, indexed by the subtile; the epilogue's loop over
-//   subtiles is not unrolled, so that row lived in local memory (a 576-byte
-//   stack frame, and 104 us a layer inside the narrow step against 52 without).
+//   only (ColSumPartials below): 59 us a bf16 relu layer with the bias
+//   gradient inside the 32768x512x12 step, against 51 without it and 69 for
+//   cuBLAS's GEMM and the act' pass. CUTLASS's Sm90RowReduction keeps a row of
+//   the whole CTA tile per thread, indexed by the subtile; the epilogue's loop
+//   over subtiles is not unrolled, so that row lived in local memory (a
+//   576-byte stack frame, and 104 us a layer).
 //
 // Included only by the generated instantiation TUs (cutlass_dgrad_inst.cu.in).
 #pragma once
@@ -198,8 +200,8 @@ struct ColSumPartials {
     // each lane has a multiple of their number of values (16-bit: 8 values, 8
     // lanes), by halving exchanges: at each step a lane sends the half of its
     // values that its partner keeps (7 shuffles for 8 values), and ends with
-    // n / L consecutive ones, which it writes (a warp's stores coalesced).
-    // Else by a tree onto the first lane along M.
+    // n / L of them, which it writes: every column of the subtile by one lane.
+    // Else by a tree onto the first lane along M, which writes them all.
     template <class STensor, class SyncFn, class VTensor>
     CUTLASS_DEVICE void reduce(STensor&&, SyncFn const&, int epi_m, int epi_n, bool, VTensor) {
       if (!on || epi_m != LastM) return;
