@@ -196,45 +196,33 @@ struct ColSumPartials {
       return gz;
     }
 
-    // After a column of subtiles: the sums of the lanes along M added up. Where
-    // each lane has a multiple of their number of values (16-bit: 8 values, 8
-    // lanes), by halving exchanges: at each step a lane sends the half of its
-    // values that its partner keeps (7 shuffles for 8 values), and ends with
-    // n / L of them, which it writes: every column of the subtile by one lane.
-    // Else by a tree onto the first lane along M, which writes them all.
+    // After a column of subtiles: the sums of the lanes along M added up by
+    // halving exchanges: at each step a lane sends the half of its values that
+    // its partner keeps (8 values over 8 lanes in every kernel built: 7
+    // shuffles), and ends with n / L of them, which it writes: every column of
+    // the subtile by one lane.
     template <class STensor, class SyncFn, class VTensor>
     CUTLASS_DEVICE void reduce(STensor&&, SyncFn const&, int epi_m, int epi_n, bool, VTensor) {
       if (!on || epi_m != LastM) return;
       auto s = cute::filter(sums);
       auto o = cute::filter(out(cute::_, cute::_, cute::_, _0{}, epi_n));
       constexpr int n = decltype(cute::size(s))::value, L = decltype(cute::size<0>(Lanes{}))::value;
-      if constexpr (n % L == 0) {
-        float v[n];
+      static_assert(n % L == 0, "each lane along M ends with whole values");
+      float v[n];
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < n; ++i) v[i] = s(i);
+      CUTLASS_PRAGMA_UNROLL
+      for (int h = L / 2, half = n / 2; h > 0; h /= 2, half /= 2) {
+        const bool upper = lane_m & h;
         CUTLASS_PRAGMA_UNROLL
-        for (int i = 0; i < n; ++i) v[i] = s(i);
-        CUTLASS_PRAGMA_UNROLL
-        for (int h = L / 2, half = n / 2; h > 0; h /= 2, half /= 2) {
-          const bool upper = lane_m & h;
-          CUTLASS_PRAGMA_UNROLL
-          for (int r = 0; r < half; ++r) {
-            const float send = upper ? v[r] : v[r + half];
-            const float keep = upper ? v[r + half] : v[r];
-            v[r] = keep + __shfl_xor_sync(0xffffffffu, send, lanes(h, _0{}));
-          }
-        }
-        CUTLASS_PRAGMA_UNROLL
-        for (int r = 0; r < n / L; ++r) o(n / L * lane_m + r) = v[r];
-      } else {
-        CUTLASS_PRAGMA_UNROLL
-        for (int d = L / 2; d > 0; d /= 2) {
-          CUTLASS_PRAGMA_UNROLL
-          for (int i = 0; i < n; ++i) s(i) += __shfl_down_sync(0xffffffffu, s(i), lanes(d, _0{}));
-        }
-        if (lane_m == 0) {
-          CUTLASS_PRAGMA_UNROLL
-          for (int i = 0; i < n; ++i) o(i) = s(i);
+        for (int r = 0; r < half; ++r) {
+          const float send = upper ? v[r] : v[r + half];
+          const float keep = upper ? v[r + half] : v[r];
+          v[r] = keep + __shfl_xor_sync(0xffffffffu, send, lanes(h, _0{}));
         }
       }
+      CUTLASS_PRAGMA_UNROLL
+      for (int r = 0; r < n / L; ++r) o(n / L * lane_m + r) = v[r];
       cute::fill(sums, 0.0f);
     }
   };
