@@ -119,7 +119,7 @@ def test_fused_kernel_against_numpy(rand, monkeypatch, dtype, tb, act, from_y):
     way's (GEMM, then the dact pass, the default) within the dtype's tolerance."""
     from conftest import tol
 
-    monkeypatch.setenv("REGEMM_FUSED_DGRAD", "1")  # forced (untimed, the composed way runs)
+    monkeypatch.setenv("REGEMM_FUSED_DGRAD", "1")  # forced: untimed, the rule would run the composed way
     f, args, gz_ref, gb_ref = _fused_case(rand, dtype, tb, act, from_y, "per_col")
     n0, s0 = CUDA.cutlass_dgrad_dact_launches(), CUDA.cutlass_dgrad_bias_sums()
     gz, gb = jax.block_until_ready(f(*args))
