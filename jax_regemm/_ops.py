@@ -21,7 +21,7 @@ lowering, behind their partitioning rules (_partition.py), so jit over a mesh
 keeps the work local, except where one table (`_ON_XLA`) says XLA's own
 program is as fast: on the GPU a plain GEMM (nothing to fuse: the backward's
 dgrad and wgrad) lowers to XLA's dot, and an op whose rows are not whole
-16-byte vectors to plain JAX, whose GEMM XLA pads. The ops' vmap rules add a leading batch
+16-byte vectors, or with few rows of output, to plain JAX. The ops' vmap rules add a leading batch
 dim (the kernels broadcast by stride), folding a batch of A against a shared B
 into M.
 """
@@ -29,6 +29,7 @@ into M.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from functools import partial
 
@@ -86,18 +87,25 @@ def _primitive(name, ref, lower):
 # XLA pads an unaligned GEMM, where regemm's TMA and vector kernels cannot run and its
 # fallbacks (the SIMT GEMM, cuBLASLt's unaligned paths, the scalar dact) ran at 0.47-0.86
 # of XLA's speed (h100_unaligned.md); the backward epilogue stays regemm's: on XLA, whole
-# training steps ran 0.98x of XLA's speed against 1.13x (h100_train_dact_xla.md). On the
+# training steps ran 0.98x of XLA's speed against 1.13x (h100_train_dact_xla.md). "small" is
+# any of the ops with at most _SMALL_ROWS rows of output (batch x M) or _SMALL_ELEMENTS
+# elements: there a call's host cost is most of an uncaptured program's time and XLA's own
+# GEMMs for few rows (split-K, Triton) run as fast or faster on the device; regemm's calls
+# lost by wall clock in 64 of 84 such layers, 0.73-0.96 of XLA's speed by shape (H100,
+# h100_small_layers.md). On the
 # CPU oneDNN's bf16 and f16 GEMMs are several times faster than XLA's, and in f32 the
 # layers measured the same either way (cpu_plain_gemm.md).
 _GPU_DTYPES = ("float32", "bfloat16", "float16")
 _ON_XLA = {
-    "cuda": {"gemm": _GPU_DTYPES + ("float64",), "dact": (), "unaligned": _GPU_DTYPES},
-    "cpu": {"gemm": (), "dact": (), "unaligned": ()},
+    "cuda": {"gemm": _GPU_DTYPES + ("float64",), "dact": (), "unaligned": _GPU_DTYPES, "small": _GPU_DTYPES},
+    "cpu": {"gemm": (), "dact": (), "unaligned": (), "small": ()},
 }
+_SMALL_ROWS, _SMALL_ELEMENTS = 512, 2**21
 # Per op, the variable that overrides the table on every platform: "xla" or "regemm"
-# (A/B of a lowering choice, and tests of the kernels at odd sizes; read when a program
-# is lowered).
-_ON_XLA_VARIABLE = {"gemm": "REGEMM_PLAIN_GEMM", "dact": "REGEMM_DACT", "unaligned": "REGEMM_UNALIGNED"}
+# (A/B of a lowering choice, and tests of the kernels at odd and small sizes; read when a
+# program is lowered).
+_ON_XLA_VARIABLE = {"gemm": "REGEMM_PLAIN_GEMM", "dact": "REGEMM_DACT", "unaligned": "REGEMM_UNALIGNED",
+                    "small": "REGEMM_SMALL"}  # fmt: skip
 
 
 def _on_xla(op, platform, dtype):
@@ -113,6 +121,15 @@ def _unaligned_on_xla(platform, dtype, *row_lengths):
     the GPU kernels' TMA descriptors and vector loads need (ffi/cuda/cutlass_dispatch.cu, dact.cu)."""
     per_vector = max(16 // dtype.itemsize, 1)
     return any(n % per_vector for n in row_lengths) and _on_xla("unaligned", platform, dtype)
+
+
+def _small_on_xla(platform, dtype, *shapes):
+    """Whether an op lowers to XLA's own program for being small: at most _SMALL_ROWS rows of
+    output or _SMALL_ELEMENTS elements, counted over its batch dims. shapes: the output's, or
+    operands with the output's rows (the largest count is taken), the last with its columns."""
+    rows = max(math.prod(s[:-1]) for s in shapes)
+    small = rows <= _SMALL_ROWS or rows * shapes[-1][-1] <= _SMALL_ELEMENTS
+    return small and _on_xla("small", platform, dtype)
 
 
 def _lower_per_platform(p, pick):
@@ -195,7 +212,8 @@ def _xla_gemm(a, b, *, cfg):
 def _xla_fused(*args, cfg):
     """The fused op as the program a user writes: the product in a's dtype (_xla_gemm), then
     the epilogue in it, which XLA fuses into its own GEMM where it can (a bias, relu, gelu).
-    The lowering where regemm's kernels cannot run fast: rows that are not whole 16-byte vectors."""
+    The lowering where regemm's calls cannot run fast: rows that are not whole 16-byte vectors,
+    and few rows of output (_ON_XLA)."""
     a, b, bias, c = _split(cfg, args)
     (z,) = _xla_gemm(a, b, cfg=cfg)
     return _fused_outputs(cfg, z, bias, c, a.dtype)
@@ -206,7 +224,9 @@ def _pick_fused(platform, a, b, *rest, cfg):
         return _xla_gemm
     n = b.shape[-2] if cfg.trans_b else b.shape[-1]
     rows = (a.shape[-1], b.shape[-1], n) + tuple(cfg.c_shape[-1:])  # as stored: A, B, Y and Z, C
-    return _xla_fused if _unaligned_on_xla(platform, a.dtype, *rows) else _fused_lower
+    if _unaligned_on_xla(platform, a.dtype, *rows) or _small_on_xla(platform, a.dtype, _out_shape(cfg, a, b)):
+        return _xla_fused
+    return _fused_lower
 
 
 _lower_per_platform(_fused_p, _pick_fused)
@@ -469,7 +489,10 @@ def _epilogue_primitive(name, ref, lower):
         if _on_xla("dact", platform, dtype):
             return ref
         rows = (x.shape[-1] for x in args)  # gY and S; or A, B and S
-        return ref if _unaligned_on_xla(platform, dtype, *rows) else lower
+        # gZ has S's rows and columns (and gY's rows, or A's: a vmap may have batched them, not S)
+        if _unaligned_on_xla(platform, dtype, *rows) or _small_on_xla(platform, dtype, args[0].shape, args[-1].shape):
+            return ref
+        return lower
 
     _lower_per_platform(p, pick)
 

@@ -404,14 +404,20 @@ def test_zero_and_one_sizes(m, n, k, kind):
 
 
 @pytest.mark.parametrize("mode", ("bf16", "f32"))
-def test_unaligned_default_runs_xla_program(mode, monkeypatch):
-    """By default an op whose rows are not whole 16-byte vectors (K = 999, N = 1001) lowers to XLA's
-    own program on the GPU (the suite sets REGEMM_UNALIGNED=regemm for the kernels): no regemm call,
-    and the forward, Z and the gradients within the dtype's tolerance of the float64 reference."""
+@pytest.mark.parametrize("case", ("unaligned", "small"))
+def test_default_runs_xla_program(case, mode, monkeypatch):
+    """By default an op whose rows are not whole 16-byte vectors (K = 999, N = 1001), or one with at
+    most 512 rows of output, lowers to XLA's own program on the GPU (the suite sets
+    REGEMM_UNALIGNED=regemm and REGEMM_SMALL=regemm for the kernels): no regemm call, and the
+    forward, Z and the gradients within the dtype's tolerance of the float64 reference."""
     monkeypatch.delenv("REGEMM_UNALIGNED", raising=False)  # read at lowering
+    monkeypatch.delenv("REGEMM_SMALL", raising=False)
+    if case == "unaligned":
+        monkeypatch.setenv("REGEMM_SMALL", "regemm")  # the 200 rows below would be small too
     dtype, precision, tol = MODES[mode]
     r = Rand(5)
-    a, b, bias, c = operands(r, 200, 1001, 999, dtype, trans_a=False, trans_b=False, kind="per_col", with_c=False)
+    m, n, k = (200, 1001, 999) if case == "unaligned" else (512, 1024, 768)
+    a, b, bias, c = operands(r, m, n, k, dtype, trans_a=False, trans_b=False, kind="per_col", with_c=False)
     ours = lambda a, b, bias: rg.gemm_bias_act(a, b, bias, act="gelu", precision=precision, save="z")
     text = jax.jit(jax.grad(lambda *x: jnp.sum(ours(*x) ** 2), argnums=(0, 1, 2))).lower(a, b, bias).as_text()
     assert "regemm_" not in text, text

@@ -477,6 +477,47 @@ def test_unaligned_ops_are_xla_programs_on_cuda(rand, monkeypatch):
     assert len(_calls(text, rg._ffi.GEMM_TARGET)) == 1 and len(_calls(text, rg._ffi.DACT_TARGET)) == 1, text
 
 
+def test_small_ops_are_xla_programs_on_cuda(rand, monkeypatch):
+    """On the GPU an op with at most 512 rows of output or 2^21 elements (counted over its batch
+    dims) lowers to XLA's own program: no regemm call in the layer's forward or backward, nor in
+    rg.mlp's; past both (or 3 x 200 rows under vmap) the calls stay. The CPU keeps its calls;
+    REGEMM_SMALL=xla takes the CPU to XLA's program too, with the gradients of the regemm calls
+    (both run here)."""
+    monkeypatch.delenv("REGEMM_SMALL", raising=False)  # the default, read at lowering
+    layer = lambda a, b, bias: jnp.sum(jnp.sin(rg.gemm_bias_act(a, b, bias, act="gelu")))
+    block = lambda x, ws, bs: jnp.sum(jnp.sin(rg.mlp(x, ws, bs, act="silu", final_act="tanh")))
+    grad = lambda f: jax.grad(lambda *args: f(*args), argnums=(0, 1, 2))  # a new function: a new lowering
+    regemm_calls = lambda text: sum(len(_calls(text, t)) for t in (rg._ffi.GEMM_TARGET, rg._ffi.DACT_TARGET,
+                                                                   rg._ffi.DGRAD_DACT_TARGET))  # fmt: skip
+    spec = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+    k = 64
+    for m, n, calls in ((512, 8192, 0), (513, 4096, 2), (4096, 512, 0), (4097, 512, 2), (1, 8, 0)):
+        text = _lowered_for_cuda(grad(layer), spec(m, k), spec(k, n), spec(n))
+        assert regemm_calls(text) == calls, (m, n, text)
+    # a batch of 3 x 200 rows under vmap: 600 rows of output, folded into one GEMM of 600 rows
+    batched = lambda x, b, bias: jnp.sum(jax.vmap(lambda x: layer(x, b, bias))(x))
+    assert regemm_calls(_lowered_for_cuda(grad(batched), spec(3, 200, k), spec(k, 4096), spec(4096))) == 2
+    # a batch of weights (no fold): 3 GEMMs of 200 rows, one call of 600 rows of output
+    per_weight = lambda x, b, bias: jnp.sum(jax.vmap(lambda x, b: layer(x, b, bias))(x, b))
+    assert regemm_calls(_lowered_for_cuda(grad(per_weight), spec(3, 200, k), spec(3, k, 4096), spec(4096))) == 2
+    ws, bs = [spec(k, 4096), spec(4096, 4096)], [spec(4096), spec(4096)]
+    assert regemm_calls(_lowered_for_cuda(grad(block), spec(512, k), ws, bs)) == 0
+    assert regemm_calls(_lowered_for_cuda(grad(block), spec(1024, k), ws, bs)) == 4  # 2 fwd, dact, dgrad_dact
+    x, ws, bs = rand.normal((M, K), jnp.float32), [rand.normal((K, 8), jnp.float32, 0.3)], [rand.normal((8,), jnp.float32)]
+    ws.append(rand.normal((8, 4), jnp.float32, 0.3))
+    bs.append(rand.normal((4,), jnp.float32))
+    fns = [(layer, rand.operands(M, 4, K, jnp.float32, bias_shape=(4,))[:3]), (block, (x, ws, bs))]
+    for f, args in fns:  # the CPU keeps its calls
+        assert regemm_calls(jax.jit(grad(f)).trace(*args).lower(lowering_platforms=("cpu",)).as_text()) > 0
+    want = [jax.jit(grad(f))(*args) for f, args in fns]  # regemm's calls on the CPU
+    monkeypatch.setenv("REGEMM_SMALL", "xla")
+    for (f, args), w in zip(fns, want):
+        g = grad(f)
+        assert regemm_calls(jax.jit(g).trace(*args).lower(lowering_platforms=("cpu",)).as_text()) == 0
+        for got, r in zip(jax.tree.leaves(jax.jit(g)(*args)), jax.tree.leaves(w)):
+            assert_rel(got, r, jnp.float32)
+
+
 def test_plain_gemm_on_xla_matches_the_reference(rand):
     """The dot the CUDA lowering emits for a plain GEMM (alpha, transposes, f32 and bf16), run here."""
     from jax_regemm import _ops

@@ -47,6 +47,8 @@ os.environ.setdefault("REGEMM_TUNE_REPS", "1")
 os.environ.setdefault("REGEMM_PLAIN_GEMM", "regemm")
 # And the odd sizes on the kernels' unaligned paths, not XLA's padded GEMM.
 os.environ.setdefault("REGEMM_UNALIGNED", "regemm")
+# And its small sizes on the kernels, not XLA's own program.
+os.environ.setdefault("REGEMM_SMALL", "regemm")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
