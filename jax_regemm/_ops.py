@@ -126,10 +126,12 @@ def _unaligned_on_xla(platform, dtype, *row_lengths):
 def _small_on_xla(platform, dtype, *shapes):
     """Whether an op lowers to XLA's own program for being small: at most _SMALL_ROWS rows of
     output or _SMALL_ELEMENTS elements, counted over its batch dims. shapes: the output's, or
-    operands with the output's rows (the largest count is taken), the last with its columns."""
+    operands with the output's rows (the largest count is taken), the last with its columns.
+    A symbolic dim (jax.export's shape polymorphism) leaves the size to run time: not small."""
+    if not _on_xla("small", platform, dtype) or not all(_core.is_constant_shape(s) for s in shapes):
+        return False
     rows = max(math.prod(s[:-1]) for s in shapes)
-    small = rows <= _SMALL_ROWS or rows * shapes[-1][-1] <= _SMALL_ELEMENTS
-    return small and _on_xla("small", platform, dtype)
+    return rows <= _SMALL_ROWS or rows * shapes[-1][-1] <= _SMALL_ELEMENTS
 
 
 def _lower_per_platform(p, pick):

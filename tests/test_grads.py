@@ -480,7 +480,7 @@ def test_unaligned_ops_are_xla_programs_on_cuda(rand, monkeypatch):
 def test_small_ops_are_xla_programs_on_cuda(rand, monkeypatch):
     """On the GPU an op with at most 512 rows of output or 2^21 elements (counted over its batch
     dims) lowers to XLA's own program: no regemm call in the layer's forward or backward, nor in
-    rg.mlp's; past both (or 3 x 200 rows under vmap) the calls stay. The CPU keeps its calls;
+    rg.mlp's; past both (or 3 x 200 rows under vmap, or a symbolic batch) the calls stay. The CPU keeps its calls;
     REGEMM_SMALL=xla takes the CPU to XLA's program too, with the gradients of the regemm calls
     (both run here)."""
     monkeypatch.delenv("REGEMM_SMALL", raising=False)  # the default, read at lowering
@@ -500,12 +500,16 @@ def test_small_ops_are_xla_programs_on_cuda(rand, monkeypatch):
     # a batch of weights (no fold): 3 GEMMs of 200 rows, one call of 600 rows of output
     per_weight = lambda x, b, bias: jnp.sum(jax.vmap(lambda x, b: layer(x, b, bias))(x, b))
     assert regemm_calls(_lowered_for_cuda(grad(per_weight), spec(3, 200, k), spec(3, k, 4096), spec(4096))) == 2
+    # a symbolic batch (jax.export): its size is known at run time only, so the calls stay
+    (rows,) = jax.export.symbolic_shape("B")
+    export = jax.export.export(jax.jit(grad(layer)), platforms=("cuda",), disabled_checks=rg.disabled_export_checks())
+    assert regemm_calls(export(spec(rows, k), spec(k, 8), spec(8)).mlir_module()) == 2
     ws, bs = [spec(k, 4096), spec(4096, 4096)], [spec(4096), spec(4096)]
     assert regemm_calls(_lowered_for_cuda(grad(block), spec(512, k), ws, bs)) == 0
     assert regemm_calls(_lowered_for_cuda(grad(block), spec(1024, k), ws, bs)) == 4  # 2 fwd, dact, dgrad_dact
-    x, ws, bs = rand.normal((M, K), jnp.float32), [rand.normal((K, 8), jnp.float32, 0.3)], [rand.normal((8,), jnp.float32)]
-    ws.append(rand.normal((8, 4), jnp.float32, 0.3))
-    bs.append(rand.normal((4,), jnp.float32))
+    x = rand.normal((M, K), jnp.float32)
+    ws = [rand.normal((K, 8), jnp.float32, 0.3), rand.normal((8, 4), jnp.float32, 0.3)]
+    bs = [rand.normal((8,), jnp.float32), rand.normal((4,), jnp.float32)]
     fns = [(layer, rand.operands(M, 4, K, jnp.float32, bias_shape=(4,))[:3]), (block, (x, ws, bs))]
     for f, args in fns:  # the CPU keeps its calls
         assert regemm_calls(jax.jit(grad(f)).trace(*args).lower(lowering_platforms=("cpu",)).as_text()) > 0
