@@ -19,6 +19,17 @@ step runs, so their A/B takes a process a side.
 --no-bias: every Dense layer without bias on both sides (the backward without
 the bias gradient: where the fused dgrad kernel pays, docs/performance.md).
 
+--devices N: data-parallel over N devices, as a user scales with JAX's
+partitioner: the batch (x, y) sharded over a mesh axis "data", the parameters
+and optimizer state replicated, the same jitted step. Each record then carries
+the count of each collective in the compiled steps (ours must add none).
+
+--donate: the wall-clock loops run the step with its parameters and optimizer
+state donated (`donate_argnums`), as a training loop does. Then a step's buffers
+keep their addresses, and XLA replays the CUDA graph of a captured step without
+recording our custom calls again (it records a custom call anew, calling its
+handler, whenever a buffer it touches moves).
+
     python benchmarks/bench_train.py --out benchmarks/results/h100_train.json
 """
 
@@ -36,6 +47,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import jax_regemm as rg
 from devtime import device_times_ms, named_jit
@@ -89,6 +102,7 @@ def wall_ms(steps, x, y, n=30, repeats=5):
     MHz instead of 1980), which cost the last side up to 4% a step."""
     state = {}
     for side, (step, (params, opt_state)) in steps.items():
+        params, opt_state = jax.tree.map(jnp.copy, (params, opt_state))  # the step may donate them
         for _ in range(3):
             params, opt_state, l = step(params, opt_state, x, y)
         jax.block_until_ready(l)
@@ -120,33 +134,50 @@ def _env(var, value):
             os.environ[var] = old
 
 
-def run(shapes, acts, dtypes, repeats, ab, use_bias=True):
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+
+
+def collectives(compiled):
+    """The count of each collective in a compiled step's HLO."""
+    text = compiled.as_text()
+    return {c: text.count(f" {c}(") + text.count(f" {c}-start(") for c in COLLECTIVES}
+
+
+def run(shapes, acts, dtypes, repeats, ab, use_bias=True, devices=1, donate=False):
     records = []
+    mesh = jax.make_mesh((devices,), ("data",), axis_types=(AxisType.Auto,)) if devices > 1 else None
+    put = (lambda v, spec: jax.device_put(v, NamedSharding(mesh, spec))) if mesh else (lambda v, spec: v)
     for rows, width, layers in shapes:
         for dname in dtypes:
             dtype = DTYPES[dname]
             rng = np.random.default_rng(0)
-            x = jnp.asarray(rng.standard_normal((rows, width)), dtype)
-            y = jnp.asarray(rng.standard_normal((rows, width)), jnp.float32)
+            x0 = jnp.asarray(rng.standard_normal((1, width)), dtype)  # for init
+            x = put(jnp.asarray(rng.standard_normal((rows, width)), dtype), P("data"))
+            y = put(jnp.asarray(rng.standard_normal((rows, width)), jnp.float32), P("data"))
             for act in acts:
                 plain = PlainMLP(width, layers, act, dtype, use_bias)
                 floor = PlainMLP(width, layers, "floor", dtype)
-                params = plain.init(jax.random.PRNGKey(0), x[:1])
+                params = put(plain.init(jax.random.PRNGKey(0), x0), P())
                 opt = optax.adamw(1e-3)
                 tag = f"{rows}x{width}x{layers}_{dname}_{act}" + ("" if use_bias else "_nobias")
-                sides = {"floor": (floor, floor.init(jax.random.PRNGKey(0), x[:1]), "", ""),
+                sides = {"floor": (floor, put(floor.init(jax.random.PRNGKey(0), x0), P()), "", ""),
                          "xla": (plain, params, "", ""),
                          "regemm": (ours_mlp(width, layers, act, dtype, use_bias), params, "", "")}  # fmt: skip
                 for name, var, value in ab:
                     sides[name] = (sides["regemm"][0], params, var, value)
-                steps, cases, mem = {}, {}, {}
+                steps, cases, mem, coll = {}, {}, {}, {}
                 for side, (model, p, var, value) in sides.items():
-                    st = (p, opt.init(p))
+                    st = (p, put(opt.init(p), P()))
                     with _env(var, value):  # read when the step is lowered
                         step = named_jit(make_step(model, opt), f"{tag}_{side}").lower(st[0], st[1], x, y).compile()
-                    steps[side] = (step, st)
+                        looped = step
+                        if donate:
+                            looped = named_jit(make_step(model, opt), f"{tag}_{side}_donated", donate_argnums=(0, 1))
+                            looped = looped.lower(st[0], st[1], x, y).compile()
+                    steps[side] = (looped, st)
                     cases[side] = (step, [(st[0], st[1], x, y)])
                     mem[side] = step.memory_analysis().temp_size_in_bytes
+                    coll[side] = collectives(step)
                 dev = device_times_ms(cases, repeats=repeats)
                 wall = wall_ms(steps, x, y)
                 rec = dict(shape=[rows, width, layers], dtype=dname, act=act, bias=use_bias,
@@ -155,7 +186,10 @@ def run(shapes, acts, dtypes, repeats, ab, use_bias=True):
                            xla_over_floor=dev["xla"] / dev["floor"], regemm_over_floor=dev["regemm"] / dev["floor"],
                            xla_wall_ms=wall["xla"], regemm_wall_ms=wall["regemm"], floor_wall_ms=wall["floor"],
                            wall_speedup=wall["xla"] / wall["regemm"],
-                           xla_temp_bytes=mem["xla"], regemm_temp_bytes=mem["regemm"])  # fmt: skip
+                           xla_temp_bytes=mem["xla"], regemm_temp_bytes=mem["regemm"], devices=devices,
+                           donated=donate)  # fmt: skip
+                if mesh:
+                    rec.update(xla_collectives=coll["xla"], regemm_collectives=coll["regemm"])
                 for name, var, value in ab:
                     rec[name] = dict(env=f"{var}={value}", ms=dev[name], wall_ms=wall[name], temp_bytes=mem[name],
                                      over_floor=dev[name] / dev["floor"], speedup=dev["xla"] / dev[name])  # fmt: skip
@@ -165,6 +199,8 @@ def run(shapes, acts, dtypes, repeats, ab, use_bias=True):
                       f"floor {rec['floor_ms']:.3f} ms: xla {rec['xla_over_floor']:.3f}x ours {rec['regemm_over_floor']:.3f}x   "
                       f"wall {rec['xla_wall_ms']:8.3f} / {rec['regemm_wall_ms']:8.3f} = {rec['wall_speedup']:.3f}x   "
                       f"temp {mem['regemm'] / max(mem['xla'], 1):.2f}x{extra}", flush=True)  # fmt: skip
+                if mesh:
+                    print(f"{'':28s} collectives xla {coll['xla']} ours {coll['regemm']}", flush=True)
     return records
 
 
@@ -178,9 +214,12 @@ def main():
     ap.add_argument("--label", default="")
     ap.add_argument("--no-bias", action="store_true", help="Dense layers without bias on both sides (the floor has none anyway)")
     ap.add_argument("--ab", action="append", default=[], help="NAME=VAR=VALUE: ours with VAR=VALUE, as side NAME")
+    ap.add_argument("--devices", type=int, default=1, help="data-parallel over this many devices (the batch sharded)")
+    ap.add_argument("--donate", action="store_true", help="the wall-clock loops donate params and optimizer state")
     args = ap.parse_args()
     ab = [tuple(a.split("=", 2)) for a in args.ab]
-    records = run(SHAPES[args.grid], args.acts.split(","), args.dtypes.split(","), args.repeats, ab, not args.no_bias)
+    records = run(SHAPES[args.grid], args.acts.split(","), args.dtypes.split(","), args.repeats, ab, not args.no_bias,
+                  args.devices, args.donate)  # fmt: skip
     geo = float(np.exp(np.mean([np.log(r["speedup"]) for r in records])))
     geo_wall = float(np.exp(np.mean([np.log(r["wall_speedup"]) for r in records])))
     geo_floor = {k: float(np.exp(np.mean([np.log(r[f"{k}_over_floor"]) for r in records]))) for k in ("xla", "regemm")}
@@ -191,7 +230,8 @@ def main():
         gf = float(np.exp(np.mean([np.log(r[name]["over_floor"]) for r in records])))
         print(f"  {name}: speed-up {g:.3f}x, step/floor {gf:.3f}x")
     if args.out:
-        meta = dict(label=args.label, device=str(jax.devices()[0].device_kind), jax=jax.__version__,
+        meta = dict(label=args.label, device=str(jax.devices()[0].device_kind), devices=args.devices,
+                    donated=args.donate, jax=jax.__version__,
                     geo_mean_speedup=geo, geo_mean_wall_speedup=geo_wall,
                     geo_mean_xla_over_floor=geo_floor["xla"], geo_mean_regemm_over_floor=geo_floor["regemm"])  # fmt: skip
         with open(args.out, "w") as f:

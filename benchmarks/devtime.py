@@ -22,10 +22,10 @@ import jax
 COMPILER_OPTIONS: dict = {}
 
 
-def named_jit(fn, name: str):
+def named_jit(fn, name: str, **jit_kwargs):
     """jit `fn` so that its XLA module is called jit_<name>."""
     fn.__name__ = fn.__qualname__ = name
-    return jax.jit(fn, compiler_options=dict(COMPILER_OPTIONS) or None)
+    return jax.jit(fn, compiler_options=dict(COMPILER_OPTIONS) or None, **jit_kwargs)
 
 
 def _kernel_spans(pd):

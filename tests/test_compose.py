@@ -145,11 +145,15 @@ def test_scalars_must_be_finite_numbers(rand, name, value, err):
 
 _SCRIPT = r"""
 import json, os, re, sys
-os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-os.environ["JAX_PLATFORMS"] = "cpu"
+MESH = tuple(int(v) for v in os.environ["MESH"].split(","))  # (data, model)
+if os.environ["PLATFORM"] == "cpu":
+    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    os.environ["JAX_PLATFORMS"] = "cpu"
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P, AxisType
 import jax_regemm as rg
+if os.environ["PLATFORM"] == "gpu":  # true f32 on both sides: their values compared at 1e-5
+    jax.config.update("jax_default_matmul_precision", "highest")
 
 rng = np.random.default_rng(int(os.environ["SEED"]))
 arr = lambda *s: jnp.asarray(rng.standard_normal(s) / np.sqrt(s[0]), jnp.float32)
@@ -176,7 +180,7 @@ LAYOUTS = {  # x, w1, b1, w2, b2
 out = {}
 for kind in ("auto", "explicit"):
     types = (AxisType.Explicit,) * 2 if kind == "explicit" else (AxisType.Auto,) * 2
-    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=types)
+    mesh = jax.make_mesh(MESH, ("data", "model"), axis_types=types)
     with jax.set_mesh(mesh):
         for name, specs in LAYOUTS.items():
             args = [jax.device_put(v, NamedSharding(mesh, s)) for v, s in zip((x, w1, b1, w2, b2), specs)]
@@ -203,7 +207,7 @@ for kind in ("auto", "explicit"):
             out[f"{kind}/{name}"] = rec
 
 # shard_map: grad and jit(grad), data- and tensor-parallel, default checks
-mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+mesh = jax.make_mesh(MESH, ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
 dense_ours = lambda x, w, b, act: rg.dense(x, w, b, act=act)
 def dense_plain(x, w, b, act):
     z = x @ w if b is None else x @ w + b
@@ -240,10 +244,19 @@ print("RESULT" + json.dumps(out))
 """
 
 
-@pytest.fixture(scope="module")
+def _gpus():
+    return jax.device_count("gpu") if jax.default_backend() == "gpu" else 0
+
+
+# 8 host devices as a 2x4 mesh (CI); on a machine with two GPUs, the same programs over NCCL,
+# data- and tensor-parallel (meshes 2x1 and 1x2)
+@pytest.fixture(scope="module", params=[("cpu", "2,4"), ("gpu", "2,1"), ("gpu", "1,2")], ids=lambda p: f"{p[0]}-{p[1]}")
 def sharded(request, tmp_path_factory):
+    platform, mesh = request.param
+    if platform == "gpu" and _gpus() < 2:
+        pytest.skip("needs two GPUs")
     seed = int.from_bytes(request.node.nodeid.encode()[:4], "little") % 1000
-    env = dict(os.environ, SEED=str(seed))
+    env = dict(os.environ, SEED=str(seed), PLATFORM=platform, MESH=mesh, XLA_PYTHON_CLIENT_PREALLOCATE="false")
     proc = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True, env=env, timeout=600,
                           cwd=tmp_path_factory.mktemp("sharded"))  # the installed package, not the source tree  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
