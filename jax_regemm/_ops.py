@@ -21,7 +21,7 @@ lowering, behind their partitioning rules (_partition.py), so jit over a mesh
 keeps the work local, except where one table (`_ON_XLA`) says XLA's own
 program is as fast: on the GPU a plain GEMM (nothing to fuse: the backward's
 dgrad and wgrad) lowers to XLA's dot, and an op whose rows are not whole
-16-byte vectors, or with few rows of output, to plain JAX. The ops' vmap rules add a leading batch
+16-byte vectors, or small, to plain JAX. The ops' vmap rules add a leading batch
 dim (the kernels broadcast by stride), folding a batch of A against a shared B
 into M.
 """
@@ -127,7 +127,8 @@ def _small_on_xla(platform, dtype, *shapes):
     """Whether an op lowers to XLA's own program for being small: at most _SMALL_ROWS rows of
     output or _SMALL_ELEMENTS elements, counted over its batch dims. shapes: the output's, or
     operands with the output's rows (the largest count is taken), the last with its columns.
-    A symbolic dim (jax.export's shape polymorphism) leaves the size to run time: not small."""
+    A symbolic dim (jax.export's shape polymorphism) leaves the size to run time: not small.
+    Under a mesh these are the global shapes, before partitioning (a device's share is smaller)."""
     if not _on_xla("small", platform, dtype) or not all(_core.is_constant_shape(s) for s in shapes):
         return False
     rows = max(math.prod(s[:-1]) for s in shapes)

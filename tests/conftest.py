@@ -40,8 +40,9 @@ def on_cpu() -> bool:
 # there (jax_regemm._ops._ON_XLA, "unaligned"), which would leave the kernels' odd-size
 # paths untested. test_grads' cross-lowering tests and test_gpu's check the default.
 os.environ.setdefault("REGEMM_UNALIGNED", "regemm")
-# Likewise its small sizes: by default an op with at most 512 rows of output lowers to XLA's
-# own program on the GPU ("small"); test_grads' and test_gpu's tests of that check the default.
+# Likewise its small sizes: by default an op with at most 512 rows of output or 2^21 elements
+# lowers to XLA's own program on the GPU ("small"); test_grads' and test_gpu's tests of that
+# check the default.
 os.environ.setdefault("REGEMM_SMALL", "regemm")
 
 # A plain GEMM (alpha op(A) op(B): the backward's dgrad and wgrad GEMMs) is a
