@@ -28,7 +28,7 @@ the count of each collective in the compiled steps (ours must add none).
 state donated (`donate_argnums`), as a training loop does. Then a step's buffers
 keep their addresses, and XLA replays the CUDA graph of a captured step without
 recording our custom calls again (it records a custom call anew, calling its
-handler, whenever a buffer it touches moves).
+handler, when its buffers are at addresses its cache of recordings has not seen).
 
     python benchmarks/bench_train.py --out benchmarks/results/h100_train.json
 """
