@@ -419,22 +419,49 @@ def test_plain_gemms_are_xla_dots_on_cuda(rand, monkeypatch):
     assert len(_calls(text, rg._ffi.GEMM_TARGET)) == 1 and text.count("stablehlo.dot_general") == 2, text
 
 
+def _layer_loss(a, b, bias):
+    return jnp.sum(jnp.sin(rg.gemm_bias_act(a, b, bias, act="gelu")))
+
+
+def _block_loss(x, ws, bs):
+    return jnp.sum(jnp.sin(rg.mlp(x, ws, bs, act="silu", final_act="tanh")))
+
+
+def _fresh_grad(f):
+    """grad of f as a new function: a new lowering, which reads the lowering variables again."""
+    return jax.grad(lambda *args: f(*args), argnums=(0, 1, 2))
+
+
+def _regemm_calls(text):
+    return sum(len(_calls(text, t)) for t in (rg._ffi.GEMM_TARGET, rg._ffi.DACT_TARGET, rg._ffi.DGRAD_DACT_TARGET))
+
+
+def _check_xla_program_on_cpu(variable, fns, monkeypatch):
+    """With `variable`=xla the CPU lowers each (loss, args)'s gradient to XLA's own program, no
+    regemm call, and its values are the regemm calls' (both run here)."""
+    want = [jax.jit(_fresh_grad(f))(*args) for f, args in fns]  # regemm's calls on the CPU
+    monkeypatch.setenv(variable, "xla")
+    for (f, args), w in zip(fns, want):
+        g = _fresh_grad(f)
+        assert _regemm_calls(jax.jit(g).trace(*args).lower(lowering_platforms=("cpu",)).as_text()) == 0
+        for got, r in zip(jax.tree.leaves(jax.jit(g)(*args)), jax.tree.leaves(w)):
+            assert_rel(got, r, jnp.float32)
+
+
 def test_dact_on_xla_by_variable(rand, monkeypatch):
     """REGEMM_DACT=xla: the backward epilogue (dact, and rg.mlp's dgrad_dact) lowers to XLA's own
     program on every platform, with the same gradients as the regemm calls (run here)."""
     a, b, bias, _ = rand.operands(M, N, K, jnp.float32, bias_shape=(N,))
     ws = [rand.normal((K, 24), jnp.float32, 0.3), rand.normal((24, N), jnp.float32, 0.3)]
     bs = [rand.normal((24,), jnp.float32), rand.normal((N,), jnp.float32)]
-    layer = lambda a, b, bias: jnp.sum(jnp.sin(rg.gemm_bias_act(a, b, bias, act="gelu")))
-    block = lambda x, ws, bs: jnp.sum(jnp.sin(rg.mlp(x, ws, bs, act="silu", final_act="tanh")))
-    fns = [(lambda: jax.grad(layer, argnums=(0, 1, 2)), (a, b, bias)), (lambda: jax.grad(block, argnums=(0, 1, 2)), (a, ws, bs))]
-    want = [jax.jit(make())(*args) for make, args in fns]  # the default: regemm's calls on the CPU
+    fns = [(_layer_loss, (a, b, bias)), (_block_loss, (a, ws, bs))]
+    want = [jax.jit(_fresh_grad(f))(*args) for f, args in fns]  # the default: regemm's calls on the CPU
     monkeypatch.setenv("REGEMM_DACT", "xla")  # read at lowering: new functions below
-    for (make, args), w in zip(fns, want):
+    for (f, args), w in zip(fns, want):
         for platform in ("cpu", "cuda"):
-            text = jax.jit(make()).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+            text = jax.jit(_fresh_grad(f)).trace(*args).lower(lowering_platforms=(platform,)).as_text()
             assert not _calls(text, rg._ffi.DACT_TARGET) and not _calls(text, rg._ffi.DGRAD_DACT_TARGET), platform
-        for g, r in zip(jax.tree.leaves(jax.jit(make())(*args)), jax.tree.leaves(w)):
+        for g, r in zip(jax.tree.leaves(jax.jit(_fresh_grad(f))(*args)), jax.tree.leaves(w)):
             assert_rel(g, r, jnp.float32)
 
 
@@ -444,11 +471,7 @@ def test_unaligned_ops_are_xla_programs_on_cuda(rand, monkeypatch):
     layer keeps its calls. REGEMM_UNALIGNED=xla does the same on the CPU, with the gradients of
     the regemm calls (both run here); =regemm (the suite's setting) keeps every call."""
     monkeypatch.delenv("REGEMM_UNALIGNED", raising=False)  # the default, read at lowering
-    layer = lambda a, b, bias: jnp.sum(jnp.sin(rg.gemm_bias_act(a, b, bias, act="gelu")))
-    block = lambda x, ws, bs: jnp.sum(jnp.sin(rg.mlp(x, ws, bs, act="silu", final_act="tanh")))
-    grad = lambda f: jax.grad(lambda *args: f(*args), argnums=(0, 1, 2))  # a new function: a new lowering
-    regemm_calls = lambda text: sum(len(_calls(text, t)) for t in (rg._ffi.GEMM_TARGET, rg._ffi.DACT_TARGET,
-                                                                   rg._ffi.DGRAD_DACT_TARGET))  # fmt: skip
+    layer, block, grad, regemm_calls = _layer_loss, _block_loss, _fresh_grad, _regemm_calls
     for dt, (m, n, k) in ((jnp.float32, (M, N, K)), (jnp.bfloat16, (16, 12, 16))):  # rows of N: unaligned
         a, b, bias, _ = rand.operands(m, n, k, dt, bias_shape=(n,))
         text = _lowered_for_cuda(grad(layer), a, b, bias)
@@ -464,13 +487,7 @@ def test_unaligned_ops_are_xla_programs_on_cuda(rand, monkeypatch):
     bs = [rand.normal((6,), jnp.float32), rand.normal((N,), jnp.float32)]
     assert regemm_calls(_lowered_for_cuda(grad(block), x, ws, bs)) == 0
     fns = [(layer, rand.operands(M, N, K, jnp.float32, bias_shape=(N,))[:3]), (block, (x, ws, bs))]
-    want = [jax.jit(grad(f))(*args) for f, args in fns]  # regemm's calls on the CPU
-    monkeypatch.setenv("REGEMM_UNALIGNED", "xla")
-    for (f, args), w in zip(fns, want):
-        g = grad(f)
-        assert regemm_calls(jax.jit(g).trace(*args).lower(lowering_platforms=("cpu",)).as_text()) == 0
-        for got, r in zip(jax.tree.leaves(jax.jit(g)(*args)), jax.tree.leaves(w)):
-            assert_rel(got, r, jnp.float32)
+    _check_xla_program_on_cpu("REGEMM_UNALIGNED", fns, monkeypatch)
     monkeypatch.setenv("REGEMM_UNALIGNED", "regemm")
     a, b, bias, _ = rand.operands(M, N, K, jnp.float32, bias_shape=(N,))
     text = _lowered_for_cuda(grad(layer), a, b, bias)
@@ -484,11 +501,7 @@ def test_small_ops_are_xla_programs_on_cuda(rand, monkeypatch):
     REGEMM_SMALL=xla takes the CPU to XLA's program too, with the gradients of the regemm calls
     (both run here)."""
     monkeypatch.delenv("REGEMM_SMALL", raising=False)  # the default, read at lowering
-    layer = lambda a, b, bias: jnp.sum(jnp.sin(rg.gemm_bias_act(a, b, bias, act="gelu")))
-    block = lambda x, ws, bs: jnp.sum(jnp.sin(rg.mlp(x, ws, bs, act="silu", final_act="tanh")))
-    grad = lambda f: jax.grad(lambda *args: f(*args), argnums=(0, 1, 2))  # a new function: a new lowering
-    regemm_calls = lambda text: sum(len(_calls(text, t)) for t in (rg._ffi.GEMM_TARGET, rg._ffi.DACT_TARGET,
-                                                                   rg._ffi.DGRAD_DACT_TARGET))  # fmt: skip
+    layer, block, grad, regemm_calls = _layer_loss, _block_loss, _fresh_grad, _regemm_calls
     spec = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
     k = 64
     for m, n, calls in ((512, 8192, 0), (513, 4096, 2), (4096, 512, 0), (4097, 512, 2), (1, 8, 0)):
@@ -513,13 +526,7 @@ def test_small_ops_are_xla_programs_on_cuda(rand, monkeypatch):
     fns = [(layer, rand.operands(M, 4, K, jnp.float32, bias_shape=(4,))[:3]), (block, (x, ws, bs))]
     for f, args in fns:  # the CPU keeps its calls
         assert regemm_calls(jax.jit(grad(f)).trace(*args).lower(lowering_platforms=("cpu",)).as_text()) > 0
-    want = [jax.jit(grad(f))(*args) for f, args in fns]  # regemm's calls on the CPU
-    monkeypatch.setenv("REGEMM_SMALL", "xla")
-    for (f, args), w in zip(fns, want):
-        g = grad(f)
-        assert regemm_calls(jax.jit(g).trace(*args).lower(lowering_platforms=("cpu",)).as_text()) == 0
-        for got, r in zip(jax.tree.leaves(jax.jit(g)(*args)), jax.tree.leaves(w)):
-            assert_rel(got, r, jnp.float32)
+    _check_xla_program_on_cpu("REGEMM_SMALL", fns, monkeypatch)
 
 
 def test_plain_gemm_on_xla_matches_the_reference(rand):
