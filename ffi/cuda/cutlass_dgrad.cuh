@@ -49,7 +49,12 @@ struct DactArgs {
 template <Act A, bool FromY, class Out, class T, int N>
 CUTLASS_HOST_DEVICE void dact_fragment(cutlass::Array<T, N>& g, cutlass::Array<T, N> const& acc,
                                        cutlass::Array<T, N> const& s, DactArgs const& a) {
-  using M = std::conditional_t<sizeof(Out) == 2, FastMath, PreciseMath>;  // as dact.cu
+  // The GPU's approximate exp and division (FastMath, ~1e-7 relative) for every dtype: these
+  // kernels are 16-bit or TF32 GEMMs (exact f32 runs elsewhere), whose product carries that
+  // precision, and the epilogue's math is most of a tile's time at small K. (The composed
+  // way's dact pass, which also serves exact f32 and is bound by memory, keeps the precise
+  // forms for f32.)
+  using M = FastMath;
   CUTLASS_PRAGMA_UNROLL
   for (int i = 0; i < N; ++i) {
     const T d = FromY ? act_grad_from_y(A, s[i], T(a.slope)) : act_grad<T, M>(A, s[i], T(a.slope));
