@@ -105,7 +105,7 @@ def _fused_case(rand, dtype, ta_shape_b, act, from_y, kind, batch=(), m=300, n=2
 
 
 # Every act slot's kernel (cutlass_dgrad.h, dgrad_act_slot): the cheap forms from Z and from Y
-# (slot 0), and each costly one from Z (a kernel each).
+# (slot 0), each costly one from Z (a kernel each), and relu from Y (a kernel of its own).
 SLOT_FORMS = [("relu", True), ("leaky_relu", False), ("tanh", False), ("sigmoid", True), ("gelu", False),
               ("gelu_erf", False), ("sigmoid", False), ("silu", False)]  # fmt: skip
 

@@ -160,7 +160,7 @@ foreach(_k IN LISTS _regemm_cutlass_dgrad_kernels)
   if(NOT _dt IN_LIST REGEMM_CUTLASS_DTYPES)
     continue()
   endif()
-  foreach(_slot RANGE 4)
+  foreach(_slot RANGE 5)  # 0 .. kNumDgradActSlots - 1
     set(REGEMM_DT ${_regemm_cutlass_enum_${_dt}})
     set(REGEMM_TB ${_tb})
     set(REGEMM_SLOT ${_slot})

@@ -17,8 +17,9 @@
 // - no C (ElementC = void): no C buffers in shared memory, and the builder
 //   delays each subtile's TMA store behind the next subtile's math;
 // - one act' slot per kernel (cutlass_dgrad.h, dgrad_act_slot): the cheap
-//   forms inline behind a switch, each costly one in a kernel of its own
-//   (every form behind one run-time switch with out-of-line calls: 64 us);
+//   forms inline behind a switch, each costly one and relu from Y in a kernel
+//   of its own (every form behind one run-time switch with out-of-line calls:
+//   64 us);
 // - column sums that live in registers for one column of epilogue subtiles
 //   only (ColSumPartials below): 59 us a bf16 relu layer with the bias
 //   gradient inside the 32768x512x12 step, against 51 without it and 69 for
@@ -85,7 +86,9 @@ template <class T, int N, class Out, int Slot> struct DactFn<cutlass::Array<T, N
 
   CUTLASS_HOST_DEVICE Frag operator()(Frag const& acc, Frag const& s, Arguments const& a) const {
     Frag g;
-    if constexpr (Slot > 0) {
+    if constexpr (Slot == kDgradReluFromYSlot) {
+      dact_fragment<Act::kRelu, true, Out>(g, acc, s, a);
+    } else if constexpr (Slot > 0) {
       dact_fragment<kOneActs[Slot - 1], false, Out>(g, acc, s, a);
     } else if (a.from_y) {  // uniform across the kernel: no divergence
       switch (Act(a.act)) {

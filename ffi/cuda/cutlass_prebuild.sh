@@ -40,7 +40,7 @@ done; done; done; done
 for k in bf16:false bf16:true f16:true f32:true; do
   dt=${k%%:*} tb=${k##*:}
   case " $DTYPES " in *" $dt "*) ;; *) continue ;; esac
-  for slot in 0 1 2 3 4; do
+  for slot in 0 1 2 3 4 5; do
     sed -e "s/@REGEMM_DT@/${ENUM[$dt]}/g; s/@REGEMM_TB@/$tb/g; s/@REGEMM_SLOT@/$slot/g" \
         ffi/cuda/cutlass_dgrad_inst.cu.in > "$OUTDIR/src/cutlass_dgrad_${dt}_f${tb:0:1}_a$slot.cu"
   done
