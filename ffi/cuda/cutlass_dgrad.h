@@ -37,18 +37,23 @@ inline int64_t dgrad_partials_rows(int64_t m) { return (m + kDgradTileM - 1) / k
 inline int64_t dgrad_partials_ld(int64_t n) { return (n + kDgradTileN - 1) / kDgradTileN * kDgradTileN; }
 
 // The act' forms of a kernel, its slot: 0 the cheap ones (relu, leaky_relu,
-// tanh and none from Z; every form from Y), inline behind one switch; 1 + i
-// kOneActs[i] from Z (gelu, gelu_erf, sigmoid, silu), a kernel each; and relu
-// from Y (a relu MLP's default, save="auto") in a kernel of its own: slot 0's
-// switch is 11160 instructions of SASS (bf16), and in ncu its relu warps waited
-// on instruction fetch (no_instruction 1.82 cycles per issue, cuBLAS's GEMM 0.43).
-inline constexpr int kDgradReluFromYSlot = 1 + kNumOneActs;
+// tanh and none from Z; every form from Y), inline behind one switch; each
+// slot after it one form in a kernel of its own (dgrad_slot_form): each of
+// kOneActs from Z (gelu, gelu_erf, sigmoid, silu), then relu from Y (a relu
+// MLP's default, save="auto": behind slot 0's switch, 11160 instructions of
+// SASS in bf16, its warps waited on instruction fetch in ncu, no_instruction
+// 1.82 cycles per issue against 0.23 in its own kernel of 3240).
+struct DgradForm {
+  Act act;
+  bool from_y;
+};
 inline constexpr int kNumDgradActSlots = 2 + kNumOneActs;
+constexpr DgradForm dgrad_slot_form(int slot) {  // slot in [1, kNumDgradActSlots)
+  return slot <= kNumOneActs ? DgradForm{kOneActs[slot - 1], false} : DgradForm{Act::kRelu, true};
+}
 inline int dgrad_act_slot(Act act, bool from_y) {
-  if (from_y && act == Act::kRelu) return kDgradReluFromYSlot;
-  if (!from_y)
-    for (int i = 0; i < kNumOneActs; ++i)
-      if (act == kOneActs[i]) return 1 + i;
+  for (int slot = 1; slot < kNumDgradActSlots; ++slot)
+    if (dgrad_slot_form(slot).act == act && dgrad_slot_form(slot).from_y == from_y) return slot;
   return 0;
 }
 
