@@ -110,8 +110,16 @@ ffi::Error run_dgrad_dact_entry(const DgradDactProblem& q, const DgradDactOperan
   return env_on("REGEMM_FUSED_DGRAD") ? run_fused(q, o, rt) : dgrad_then_dact(q, o, rt);
 }
 
-void dgrad_dact_variants(const DgradDactProblem&, const DgradDactOperands&, CudaRuntime&,
+// f32's fused kernel is a TF32 GEMM whose act' is as cheap as 16-bit's
+// (FastMath): past K = 1024 its GEMM is long against the epilogue, the tuner's
+// isolated timings of the two ways tie (4096x16384x4096: 1778 against 1784
+// us), and a tie picked fused cost the 4096-wide f32 gelu block 3% in the
+// program. Up to K = 1024 fused wins by 18-42% (docs/performance.md).
+constexpr int64_t kF32FusedMaxK = 1024;
+
+void dgrad_dact_variants(const DgradDactProblem& q, const DgradDactOperands&, CudaRuntime&,
                          std::vector<std::string>* names) {
+  if (q.gemm.dtype == DType::kF32 && q.gemm.k > kF32FusedMaxK) return;
   names->assign(1, "fused");
 }
 
