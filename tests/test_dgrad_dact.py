@@ -258,15 +258,15 @@ def test_fused_way_timed_forced_and_untimed(rand, monkeypatch):
 
 
 @gpu
-def test_fused_way_not_timed_for_f32_past_k_1024(rand, monkeypatch):
-    """f32's fused way is a candidate up to K = 1024 only (cutlass_registry.cu, kF32FusedMaxK):
-    forced with REGEMM_VARIANT it runs at K = 1024; at K = 2048 the problem has no such way and
+def test_fused_way_not_timed_for_f32_past_k_2048(rand, monkeypatch):
+    """f32's fused way is a candidate up to K = 2048 only (cutlass_registry.cu, kF32FusedMaxK):
+    forced with REGEMM_VARIANT it runs at K = 2048; at K = 4096 the problem has no such way and
     the composed one runs, against NumPy either way; REGEMM_FUSED_DGRAD=1 still forces it there."""
     for var in ("REGEMM_VARIANT", "REGEMM_FUSED_DGRAD", "REGEMM_TUNE"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("REGEMM_VARIANT", "cutlass_sm90/fused")
     CUDA.forget_tuned()
-    for k, fused in ((1024, True), (2048, False)):
+    for k, fused in ((2048, True), (4096, False)):
         f, args, gz_ref, gb_ref = _fused_case(rand, jnp.float32, True, "gelu", False, "per_col", m=264, n=136, k=k)
         n0 = CUDA.cutlass_dgrad_dact_launches()
         gz, gb = jax.block_until_ready(f(*args))
@@ -278,5 +278,5 @@ def test_fused_way_not_timed_for_f32_past_k_1024(rand, monkeypatch):
     monkeypatch.delenv("REGEMM_VARIANT")
     monkeypatch.setenv("REGEMM_FUSED_DGRAD", "1")
     n0 = CUDA.cutlass_dgrad_dact_launches()
-    assert_rel(jax.block_until_ready(f(*args))[0], gz_ref, jnp.float32, None, "gZ K=2048 forced")
+    assert_rel(jax.block_until_ready(f(*args))[0], gz_ref, jnp.float32, None, "gZ K=4096 forced")
     assert CUDA.cutlass_dgrad_dact_launches() == n0 + 1

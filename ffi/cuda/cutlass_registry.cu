@@ -111,11 +111,14 @@ ffi::Error run_dgrad_dact_entry(const DgradDactProblem& q, const DgradDactOperan
 }
 
 // f32's fused kernel is a TF32 GEMM whose act' is as cheap as 16-bit's
-// (FastMath): past K = 1024 its GEMM is long against the epilogue, the tuner's
-// isolated timings of the two ways tie (4096x16384x4096: 1778 against 1784
-// us), and a tie picked fused cost the 4096-wide f32 gelu block 3% in the
-// program. Up to K = 1024 fused wins by 18-42% (docs/performance.md).
-constexpr int64_t kF32FusedMaxK = 1024;
+// (FastMath). At K = 4096 its GEMM is long against the epilogue: the tuner's
+// isolated timings of the two ways tie or favour the composed one
+// (4096x16384x4096 gelu 1778 against 1784 us; 16384x4096x4096 8% slower),
+// and a tie picked fused cost the 4096x4096 f32 gelu block 3.5% in the
+// program. At K = 2048 fused is 0-9% faster alone and kept the 16384x2048x6
+// f32 silu step 1.4% faster; at K <= 1024 it wins by 16-42%
+// (docs/performance.md).
+constexpr int64_t kF32FusedMaxK = 2048;
 
 void dgrad_dact_variants(const DgradDactProblem& q, const DgradDactOperands&, CudaRuntime&,
                          std::vector<std::string>* names) {
