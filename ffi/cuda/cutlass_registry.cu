@@ -115,9 +115,9 @@ ffi::Error run_dgrad_dact_entry(const DgradDactProblem& q, const DgradDactOperan
 // isolated timings of the two ways tie or favour the composed one
 // (4096x16384x4096 gelu 1778 against 1784 us; 16384x4096x4096 8% slower),
 // and a tie picked fused cost the 4096x4096 f32 gelu block 3.5% in the
-// program. At K = 2048 fused is 0-9% faster alone and kept the 16384x2048x6
-// f32 silu step 1.4% faster; at K <= 1024 it wins by 16-42%
-// (docs/performance.md).
+// program. At K = 2048 the two tie or fused is ahead (0-9% alone), and no
+// program has run slower with it; at K <= 1024 fused wins by 16-42%
+// (results/h100_f32_dgrad_k_bound.md).
 constexpr int64_t kF32FusedMaxK = 2048;
 
 void dgrad_dact_variants(const DgradDactProblem& q, const DgradDactOperands&, CudaRuntime&,
