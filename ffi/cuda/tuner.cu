@@ -386,8 +386,12 @@ ffi::Error cuda_fault(const std::string& label, cudaError_t e = cudaGetLastError
 // Timed with the inputs left in L2 by the run before, cuBLASLt's picks
 // looked up to 2.5x faster than they run in a program (65536x256x256 and
 // 8192x1024x4096 bf16 forwards, docs/performance.md): a program's inputs
-// come from other work and mostly from DRAM. A candidate that declines the
-// problem is passed over; one that leaves a CUDA error ends the call with it.
+// come from other work and mostly from DRAM. The candidates run in turns
+// (run r of each before run r + 1 of any): timed one after another, the later
+// ones ran on a GPU heated under its power cap, and at 4096-wide sizes one
+// way's time moved by more than the ways differ
+// (results/h100_tuner_pick_drift.md). A candidate that declines the problem
+// is passed over; one that leaves a CUDA error ends the call with it.
 template <class P, class O>
 ffi::Error time_candidates(const std::vector<Candidate>& cands, const P& p, const O& o, CudaRuntime& rt, int device,
                            const std::string& sig, Candidate* best) {
@@ -396,7 +400,22 @@ ffi::Error time_candidates(const std::vector<Candidate>& cands, const P& p, cons
   const double flops = 2.0 * double(g.m) * double(g.n) * double(g.k) * double(g.batch);
   int reps = flops > 4e11 ? 3 : flops > 4e10 ? 5 : 10;
   if (const char* r = std::getenv("REGEMM_TUNE_REPS"); r && std::atoi(r) > 0) reps = std::min(std::atoi(r), 32);
-  std::vector<cudaEvent_t> ev(2 * size_t(reps), nullptr);
+  const bool log = env_on("REGEMM_TUNE_LOG");
+  // Warm-up (and: can it run at all?), every candidate before any is timed. A
+  // way that runs GEMMs (dgrad_dact's composed way) may have them tuned here,
+  // on their first sight.
+  std::vector<const Candidate*> live;
+  for (const Candidate& c : cands) {
+    if (entry_of<P, O>(c).run_variant(p, o, rt, c.variant).failure()) {
+      if (ffi::Error e = cuda_fault(c.label); e.failure()) return e;
+      if (log) std::fprintf(stderr, "regemm tune: %s: %s cannot run it\n", sig.c_str(), c.label.c_str());
+      continue;
+    }
+    live.push_back(&c);
+  }
+  const size_t nc = live.size();
+  // [run][candidate][start, end], then one after all the runs.
+  std::vector<cudaEvent_t> ev(2 * size_t(reps) * nc + 1, nullptr);
   struct Destroy {
     std::vector<cudaEvent_t>& ev;
     ~Destroy() {
@@ -408,40 +427,42 @@ ffi::Error time_candidates(const std::vector<Candidate>& cands, const P& p, cons
   const ColdCache cold(device);
   volatile uint32_t* release = release_word(device);
   static std::atomic<uint32_t> tickets{0};
-  const bool log = env_on("REGEMM_TUNE_LOG");
-  double best_us = 0;
-  for (const Candidate& c : cands) {
-    // Warm-up (and: can it run at all?). A way that runs GEMMs (dgrad_dact's
-    // composed way) may have them tuned here, on their first sight.
-    const auto& entry = entry_of<P, O>(c);
-    if (entry.run_variant(p, o, rt, c.variant).failure()) {
-      if (ffi::Error e = cuda_fault(c.label); e.failure()) return e;
-      if (log) std::fprintf(stderr, "regemm tune: %s: %s cannot run it\n", sig.c_str(), c.label.c_str());
-      continue;
-    }
-    const uint32_t ticket = ++tickets;
-    hold_stream<<<1, 1, 0, rt.stream>>>(release, ticket, release ? kMaxHoldNs : 1000000);
-    REGEMM_LAUNCH_CHECK();
-    bool ran = true;
-    int ops = 0;  // the device operations of one run (counted on the first timed one)
-    for (int r = 0; r < reps && ran; ++r) {
+  const uint32_t ticket = ++tickets;
+  hold_stream<<<1, 1, 0, rt.stream>>>(release, ticket, release ? kMaxHoldNs : 1000000);
+  REGEMM_LAUNCH_CHECK();
+  std::vector<char> ran(nc, 1);
+  std::vector<int> ops(nc, 0);  // the device operations of one run (counted on the first timed one)
+  for (int r = 0; r < reps; ++r)
+    for (size_t i = 0; i < nc; ++i) {
+      if (!ran[i]) continue;
+      cudaEvent_t* e = &ev[2 * (size_t(r) * nc + i)];
       cold.flush(rt.stream);
-      cudaEventRecord(ev[2 * r], rt.stream);
+      cudaEventRecord(e[0], rt.stream);
       rt.ops = 0;
-      ran = !entry.run_variant(p, o, rt, c.variant).failure();
-      if (r == 0) ops = rt.ops;
-      cudaEventRecord(ev[2 * r + 1], rt.stream);
+      ran[i] = !entry_of<P, O>(*live[i]).run_variant(p, o, rt, live[i]->variant).failure();
+      if (r == 0) ops[i] = rt.ops;
+      cudaEventRecord(e[1], rt.stream);
+      if (ffi::Error err = cuda_fault(live[i]->label); err.failure()) {
+        if (release) *release = ticket;
+        return err;
+      }
     }
-    if (release) *release = ticket;
-    if (ffi::Error e = cuda_fault(c.label); e.failure()) return e;
-    if (ffi::Error e = cuda_fault(c.label, cudaEventSynchronize(ev.back())); e.failure()) return e;
-    if (!ran) continue;  // declined on a later run (it should not: nothing changed)
-    std::vector<float> ms(reps, 0.0f);
-    for (int r = 0; r < reps; ++r) REGEMM_CUDA_CHECK(cudaEventElapsedTime(&ms[r], ev[2 * r], ev[2 * r + 1]));
+  cudaEventRecord(ev.back(), rt.stream);
+  if (release) *release = ticket;
+  if (ffi::Error e = cuda_fault("the tuner's timing", cudaEventSynchronize(ev.back())); e.failure()) return e;
+  double best_us = 0;
+  std::vector<float> ms(reps, 0.0f);
+  for (size_t i = 0; i < nc; ++i) {
+    if (!ran[i]) continue;  // declined on a later run (it should not: nothing changed)
+    for (int r = 0; r < reps; ++r) {
+      const cudaEvent_t* e = &ev[2 * (size_t(r) * nc + i)];
+      REGEMM_CUDA_CHECK(cudaEventElapsedTime(&ms[r], e[0], e[1]));
+    }
     std::sort(ms.begin(), ms.end());
     const double device_us = 1e3 * double(ms[reps / 2]);
-    const int extra = ops > 1 ? ops - 1 : 0;
+    const int extra = ops[i] > 1 ? ops[i] - 1 : 0;
     const double us = device_us + extra * kExtraOpUs;
+    const Candidate& c = *live[i];
     if (log)
       std::fprintf(stderr, "regemm tune: %s: %s %.2f us (device %.2f%s + %.0f us x %d extra ops)\n", sig.c_str(),
                    c.label.c_str(), us, device_us, cold.buf ? ", cold L2" : "", kExtraOpUs, extra);
