@@ -10,6 +10,8 @@
   test draws different numbers, reproducibly; set REGEMM_TEST_SEED to vary
   them); every call draws fresh numbers.
 - `x64`: a fixture enabling 64-bit types for the test's duration.
+- `assert_tuner_kept`: the GPU tuner's choices, read off REGEMM_TUNE_LOG's
+  lines, against its margin rule.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -247,6 +250,34 @@ def assert_rel(got, ref, dtype, precision=None, what=""):
     e = rel_err(got, ref, floor=float(jnp.finfo(dtype).tiny))
     t = tol(dtype, precision)
     assert e < t, f"{what}: relative Frobenius error {e:.3e} >= {t:.1e} ({jnp.dtype(dtype).name})"
+
+
+_TUNE_TIME = re.compile(r"regemm tune: (.+?): (\S+) ([0-9.]+) us \(device [^)]*\)( the rule's way)?$")
+_TUNE_CHOSE = re.compile(r"regemm tune: (.+?): chose (\S+) \(margin ([0-9.e+-]+)% over the rule's way, (.+)\)$")
+
+
+def assert_tuner_kept(log: str, pick=lambda sig: True) -> dict:
+    """Every signature the GPU tuner timed in `log` (REGEMM_TUNE_LOG=1's stderr) and `pick`
+    selects kept the way the margin rule says (ffi/cuda/tuner.cu, time_candidates): the rule's
+    way unless another was faster than it by more than the margin, else the fastest (to the
+    log's 0.01 us). Returns {signature: (times {label: us}, the rule's way or None, chosen,
+    margin %)}."""
+    times, rule, out = {}, {}, {}
+    for line in log.splitlines():
+        if m := _TUNE_TIME.match(line):
+            times.setdefault(m[1], {})[m[2]] = float(m[3])
+            if m[4]:
+                rule[m[1]] = m[2]
+        elif (m := _TUNE_CHOSE.match(line)) and pick(m[1]):
+            sig, chose, pct = m[1], m[2], float(m[3])
+            t, r = times.pop(m[1]), rule.pop(m[1], None)
+            assert (r or "not timed") == m[4], line
+            fastest = min(t, key=t.get)
+            keep = r is not None and t[fastest] >= t[r] * (1 - pct / 100)
+            near = r is not None and abs(t[fastest] - t[r] * (1 - pct / 100)) < 0.02
+            assert chose == (r if keep else fastest) or (near and chose in (r, fastest)), (sig, t, r, chose, pct)
+            out[sig] = (t, r, chose, pct)
+    return out
 
 
 def assert_same_op(got, want, dtype, what=""):

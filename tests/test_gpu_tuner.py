@@ -206,6 +206,36 @@ def test_times_a_signature_once():
         assert _rel(out, _reference(args, kw, "per_col")[0]) < TOL["bfloat16"]
 
 
+@pytest.mark.parametrize("margin", [None, "0", "1000"])
+def test_the_rules_way_keeps_ties(margin, capfd, monkeypatch):
+    """The tuner keeps the rule's way (what runs untimed) unless another is faster than it by
+    more than REGEMM_TUNE_MARGIN percent (default 3; 0: the fastest; 1000: the rule's way
+    whenever it runs), checked on the times it logs; at 4 tiles of 128x128 the rule's way is
+    CUTLASS's stream-K kernel (cutlass_dispatch.cu). The result against the reference."""
+    from conftest import assert_tuner_kept
+
+    monkeypatch.setenv("REGEMM_TUNE_LOG", "1")
+    if margin is None:
+        monkeypatch.delenv("REGEMM_TUNE_MARGIN", raising=False)
+    else:
+        monkeypatch.setenv("REGEMM_TUNE_MARGIN", margin)
+    cuda.forget_tuned()
+    (a, b, bias), f = _gelu_layer(m=232)
+    capfd.readouterr()
+    y = f(a, b, bias).block_until_ready()
+    ((times, rule, chose, pct),) = assert_tuner_kept(capfd.readouterr().err).values()
+    assert pct == float(margin or 3) and len(times) > 1 and rule in times, (times, rule)
+    if CUTLASS:
+        assert rule == "cutlass_sm90/streamk128x128", rule
+    if margin == "1000":
+        assert chose == rule
+    if margin == "0":
+        assert times[chose] == min(times.values()), (times, chose)
+    assert list(rg.tuned().values()) == [chose]
+    kw = dict(act="gelu", alpha=1.0, beta=0.0, trans_a=False, trans_b=False)
+    assert _rel(y, _reference((a, b, bias, None), kw, "per_col")[0]) < TOL["bfloat16"]
+
+
 def test_way_variables_are_part_of_the_signature(monkeypatch):
     """A variable that changes the candidates, set between two calls of one
     compiled program, gets a signature (and a winner) of its own; unset, the

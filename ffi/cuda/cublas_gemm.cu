@@ -516,8 +516,17 @@ bool supports(const GemmProblem& p) {
   return p.k > 0 && (p.is_plain_gemm() || p.dtype == DType::kF32 || p.dtype == DType::kF64);
 }
 
+// run_cublas takes the first of the ways variants() lists.
+std::string rule_way(const GemmProblem& p, const GemmOperands& o, CudaRuntime& rt) {
+  std::vector<std::string> names;
+  variants(p, o, rt, &names);
+  for (const std::string& n : names)
+    if (!n.empty()) return "cublas/" + n;
+  return "";
+}
+
 const Register<GemmProblem, GemmOperands, CudaRuntime> kRegister(
-    {"cublas", 10, supports, run_cublas, variants, run_variant});
+    {"cublas", 10, supports, run_cublas, variants, run_variant, rule_way});
 
 // ---------------------------------------------------------------------------
 // regemm_dgrad_dact with cuBLASLt's DGELU epilogue: gZ = (alpha op(A) op(B))
@@ -606,7 +615,8 @@ ffi::Error run_dgrad_dact_variant(const DgradDactProblem& q, const DgradDactOper
 }
 
 const Register<DgradDactProblem, DgradDactOperands, CudaRuntime> kRegisterDgradDact(
-    {"cublas", 10, supports_dgrad_dact, dgrad_then_dact<CudaRuntime>, dgrad_dact_variants, run_dgrad_dact_variant});
+    {"cublas", 10, supports_dgrad_dact, dgrad_then_dact<CudaRuntime>, dgrad_dact_variants, run_dgrad_dact_variant,
+     [](const DgradDactProblem&, const DgradDactOperands&, CudaRuntime&) { return std::string(kComposedDgradWay); }});
 
 }  // namespace
 }  // namespace regemm

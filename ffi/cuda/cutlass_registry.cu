@@ -72,17 +72,25 @@ ffi::Error run_variant(const GemmProblem& p, const GemmOperands& o, CudaRuntime&
   return to_ffi(run_choice(p, o, launch_for(rt, *dev), c));
 }
 
+// The choice run_entry's rule takes, as variants() names it.
+std::string rule_way(const GemmProblem& p, const GemmOperands& o, CudaRuntime&) {
+  const DeviceInfo* dev = sm90_device();
+  if (!dev || !can_run(p) || !can_launch(p, o)) return "";
+  return std::string(kName) + "/" + rule_choice_name(p, *dev);
+}
+
 const Register<GemmProblem, GemmOperands, CudaRuntime> kRegister(
-    {kName, kPriority, supports, run_entry, variants, run_variant});
+    {kName, kPriority, supports, run_entry, variants, run_variant, rule_way});
 
 // regemm_dgrad_dact with act' in the GEMM's epilogue and the bias gradient's
 // column sums there too, added up by a small kernel after it
 // (cutlass_dispatch.h; where the workspace has no room for the sums, the dact
 // pass with act none sums the stored gZ instead, as after cuBLASLt's DGELU
 // matmul, cublas_gemm.cu). A way the tuner times against cuBLAS's composed one
-// (its dgrad GEMM, then the in-place dact pass) and DGELU ones: it wins where
-// the act' pass is large against the GEMM (narrow layers, cheap act' forms)
-// and loses at 4096 wide, where CUTLASS's mainloop is behind cuBLAS's
+// (its dgrad GEMM, then the in-place dact pass; the rule's way, which keeps
+// ties within the tuner's margin) and DGELU ones: it wins where the act' pass
+// is large against the GEMM (narrow layers, cheap act' forms) and ties or
+// loses at 4096 wide, where CUTLASS's mainloop is behind cuBLAS's
 // (docs/performance.md). Untimed (REGEMM_TUNE=0, a call captured into a CUDA
 // graph before its signature was timed) the composed way runs, unless
 // REGEMM_FUSED_DGRAD=1 forces the fused one; =0 keeps it out. Never where
@@ -110,19 +118,8 @@ ffi::Error run_dgrad_dact_entry(const DgradDactProblem& q, const DgradDactOperan
   return env_on("REGEMM_FUSED_DGRAD") ? run_fused(q, o, rt) : dgrad_then_dact(q, o, rt);
 }
 
-// f32's fused kernel is a TF32 GEMM whose act' is as cheap as 16-bit's
-// (FastMath). At K = 4096 its GEMM is long against the epilogue: the tuner's
-// isolated timings of the two ways tie or favour the composed one
-// (4096x16384x4096 gelu 1778 against 1784 us; 16384x4096x4096 8% slower),
-// and a tie picked fused cost the 4096x4096 f32 gelu block 3.5% in the
-// program. At K = 2048 the two tie or fused is ahead (0-9% alone), and no
-// program has run slower with it; at K <= 1024 fused wins by 16-42%
-// (results/h100_f32_dgrad_k_bound.md).
-constexpr int64_t kF32FusedMaxK = 2048;
-
-void dgrad_dact_variants(const DgradDactProblem& q, const DgradDactOperands&, CudaRuntime&,
+void dgrad_dact_variants(const DgradDactProblem&, const DgradDactOperands&, CudaRuntime&,
                          std::vector<std::string>* names) {
-  if (q.gemm.dtype == DType::kF32 && q.gemm.k > kF32FusedMaxK) return;
   names->assign(1, "fused");
 }
 
@@ -130,8 +127,13 @@ ffi::Error run_dgrad_dact_variant(const DgradDactProblem& q, const DgradDactOper
   return run_fused(q, o, rt);
 }
 
+std::string dgrad_dact_rule_way(const DgradDactProblem&, const DgradDactOperands&, CudaRuntime&) {
+  return env_on("REGEMM_FUSED_DGRAD") ? std::string(kName) + "/fused" : kComposedDgradWay;
+}
+
 const Register<DgradDactProblem, DgradDactOperands, CudaRuntime> kRegisterDgradDact(
-    {kName, kPriority, supports_dgrad_dact, run_dgrad_dact_entry, dgrad_dact_variants, run_dgrad_dact_variant});
+    {kName, kPriority, supports_dgrad_dact, run_dgrad_dact_entry, dgrad_dact_variants, run_dgrad_dact_variant,
+     dgrad_dact_rule_way});
 
 }  // namespace
 }  // namespace regemm::cutlass_sm90

@@ -7,7 +7,8 @@
 // algorithms, with cuBLASLt's own epilogue or ours as a pass; the SIMT kernel
 // on small problems; for dgrad_dact, cuBLASLt's DGELU matmul against the GEMM
 // followed by the dact pass) is timed on the call's stream, and the fastest is kept
-// for the process (and, with REGEMM_TUNE_CACHE, on disk). Later calls with
+// for the process (and, with REGEMM_TUNE_CACHE, on disk) unless it is within
+// a margin of the way the registry's rule takes (time_candidates). Later calls with
 // that signature run the winner for the cost of one pass over the
 // environment and one hash-map lookup of the problem's fields (Key).
 //
@@ -28,7 +29,9 @@
 //
 // Environment: REGEMM_TUNE=0 turns it off; REGEMM_TUNE_LOG=1 prints every
 // candidate's time; REGEMM_TUNE_REPS=<n> timed runs per candidate (default 3
-// to 10, fewer for larger problems); REGEMM_TUNE_CACHE=<file> keeps winners
+// to 10, fewer for larger problems); REGEMM_TUNE_MARGIN=<percent> how much
+// faster than the rule's way another must be to displace it (default 3; 0:
+// the fastest); REGEMM_TUNE_CACHE=<file> keeps winners
 // across processes (JSON, per device name and cuBLASLt version; written
 // atomically, merged with what other processes wrote); REGEMM_BACKEND=<entry> restricts the
 // candidates to that entry's ways; REGEMM_VARIANT=<entry/variant> (a label
@@ -70,7 +73,8 @@ using DgradDactEntry = Kernel<DgradDactProblem, DgradDactOperands, CudaRuntime>;
 // way round.
 constexpr const char* kWayVars[] = {"REGEMM_BACKEND",         "REGEMM_VARIANT",         "REGEMM_CUTLASS",
                                     "REGEMM_CUTLASS_CONFIG",  "REGEMM_CUTLASS_SPLIT",   "REGEMM_CUTLASS_F32_BT",
-                                    "REGEMM_CUTLASS_TMA_STRIDE0", "REGEMM_CUTLASS_ONE_ACT", "REGEMM_FUSED_DGRAD"};
+                                    "REGEMM_CUTLASS_TMA_STRIDE0", "REGEMM_CUTLASS_ONE_ACT", "REGEMM_FUSED_DGRAD",
+                                    "REGEMM_TUNE_MARGIN"};
 
 // Those of kWayVars that are set and not empty, as " NAME=value" in kWayVars'
 // order, from one pass over the environment. They are read on every call
@@ -332,6 +336,7 @@ bool overlaps(const void* a, const void* b, int64_t bytes) {
 
 constexpr double kExtraOpUs = 4.0;  // host cost of one more launch (results/h100_host_cost.md: 3.8-4.1 us)
 constexpr uint64_t kMaxHoldNs = 50000000;  // a bound, should the release never come
+constexpr double kMarginPct = 3.0;  // time_candidates: the rule's way keeps ties within it
 
 // Reads a buffer (twice the L2 cache) through, so that the run after it
 // starts from a cold cache. The sink is written only if the XOR of the
@@ -380,26 +385,36 @@ ffi::Error cuda_fault(const std::string& label, cudaError_t e = cudaGetLastError
                               cudaGetErrorString(e) + ")");
 }
 
-// The fastest candidate in *best (the rule's when none could be timed). A
-// candidate's time: the median of `reps` runs, each timed alone (events
+// The way to keep in *best: the rule's way (rule_way: its label, "" where
+// unknown) unless another is faster by more than the margin
+// (REGEMM_TUNE_MARGIN percent, default kMarginPct), else the fastest; the
+// rule's (the registry's, untimed) when none could be timed. One way's time
+// moves between timings by more than ways often differ (a 4096-wide dgrad:
+// 846-958 us for one way, its rivals within 1-3%), so without a margin such
+// picks were a coin toss, and a tie picked away from the rule could run
+// slower in the program than alone (the f32 4096x4096 gelu block, 3.5%;
+// results/h100_tuner_pick_drift.md, h100_f32_dgrad_k_bound.md).
+//
+// A candidate's time: the median of `reps` runs, each timed alone (events
 // around it) right after the L2 cache was flushed, plus the host charge.
 // Timed with the inputs left in L2 by the run before, cuBLASLt's picks
 // looked up to 2.5x faster than they run in a program (65536x256x256 and
 // 8192x1024x4096 bf16 forwards, docs/performance.md): a program's inputs
 // come from other work and mostly from DRAM. The candidates run in turns
-// (run r of each before run r + 1 of any): timed one after another, the later
-// ones ran on a GPU heated under its power cap, and at 4096-wide sizes one
-// way's time moved by more than the ways differ
-// (results/h100_tuner_pick_drift.md). A candidate that declines the problem
-// is passed over; one that leaves a CUDA error ends the call with it.
+// (run r of each before run r + 1 of any, each round behind its own hold):
+// timed one after another, the later ones ran on a GPU heated under its power
+// cap. A candidate that declines the problem is passed over; one that leaves
+// a CUDA error ends the call with it.
 template <class P, class O>
 ffi::Error time_candidates(const std::vector<Candidate>& cands, const P& p, const O& o, CudaRuntime& rt, int device,
-                           const std::string& sig, Candidate* best) {
+                           const std::string& sig, const std::string& rule_way, Candidate* best) {
   // Enough runs per candidate to see past launch noise (3 to 10).
   const GemmProblem& g = gemm_of(p);
   const double flops = 2.0 * double(g.m) * double(g.n) * double(g.k) * double(g.batch);
   int reps = flops > 4e11 ? 3 : flops > 4e10 ? 5 : 10;
   if (const char* r = std::getenv("REGEMM_TUNE_REPS"); r && std::atoi(r) > 0) reps = std::min(std::atoi(r), 32);
+  double margin_pct = kMarginPct;
+  if (const char* m = std::getenv("REGEMM_TUNE_MARGIN"); m && *m) margin_pct = std::max(0.0, std::atof(m));
   const bool log = env_on("REGEMM_TUNE_LOG");
   // Warm-up (and: can it run at all?), every candidate before any is timed. A
   // way that runs GEMMs (dgrad_dact's composed way) may have them tuned here,
@@ -414,8 +429,9 @@ ffi::Error time_candidates(const std::vector<Candidate>& cands, const P& p, cons
     live.push_back(&c);
   }
   const size_t nc = live.size();
-  // [run][candidate][start, end], then one after all the runs.
-  std::vector<cudaEvent_t> ev(2 * size_t(reps) * nc + 1, nullptr);
+  if (nc == 0) return ffi::Error::Success();
+  // [run][candidate][start, end]
+  std::vector<cudaEvent_t> ev(2 * size_t(reps) * nc, nullptr);
   struct Destroy {
     std::vector<cudaEvent_t>& ev;
     ~Destroy() {
@@ -427,19 +443,18 @@ ffi::Error time_candidates(const std::vector<Candidate>& cands, const P& p, cons
   const ColdCache cold(device);
   volatile uint32_t* release = release_word(device);
   static std::atomic<uint32_t> tickets{0};
-  const uint32_t ticket = ++tickets;
-  hold_stream<<<1, 1, 0, rt.stream>>>(release, ticket, release ? kMaxHoldNs : 1000000);
-  REGEMM_LAUNCH_CHECK();
   std::vector<char> ran(nc, 1);
   std::vector<int> ops(nc, 0);  // the device operations of one run (counted on the first timed one)
-  for (int r = 0; r < reps; ++r)
+  for (int r = 0; r < reps; ++r) {
+    const uint32_t ticket = ++tickets;
+    hold_stream<<<1, 1, 0, rt.stream>>>(release, ticket, release ? kMaxHoldNs : 1000000);
+    REGEMM_LAUNCH_CHECK();
     for (size_t i = 0; i < nc; ++i) {
-      if (!ran[i]) continue;
       cudaEvent_t* e = &ev[2 * (size_t(r) * nc + i)];
       cold.flush(rt.stream);
       cudaEventRecord(e[0], rt.stream);
       rt.ops = 0;
-      ran[i] = !entry_of<P, O>(*live[i]).run_variant(p, o, rt, live[i]->variant).failure();
+      if (ran[i]) ran[i] = !entry_of<P, O>(*live[i]).run_variant(p, o, rt, live[i]->variant).failure();
       if (r == 0) ops[i] = rt.ops;
       cudaEventRecord(e[1], rt.stream);
       if (ffi::Error err = cuda_fault(live[i]->label); err.failure()) {
@@ -447,11 +462,12 @@ ffi::Error time_candidates(const std::vector<Candidate>& cands, const P& p, cons
         return err;
       }
     }
-  cudaEventRecord(ev.back(), rt.stream);
-  if (release) *release = ticket;
+    if (release) *release = ticket;
+  }
   if (ffi::Error e = cuda_fault("the tuner's timing", cudaEventSynchronize(ev.back())); e.failure()) return e;
-  double best_us = 0;
+  std::vector<double> us(nc, 0.0);
   std::vector<float> ms(reps, 0.0f);
+  int fastest = -1, rule = -1;
   for (size_t i = 0; i < nc; ++i) {
     if (!ran[i]) continue;  // declined on a later run (it should not: nothing changed)
     for (int r = 0; r < reps; ++r) {
@@ -461,14 +477,21 @@ ffi::Error time_candidates(const std::vector<Candidate>& cands, const P& p, cons
     std::sort(ms.begin(), ms.end());
     const double device_us = 1e3 * double(ms[reps / 2]);
     const int extra = ops[i] > 1 ? ops[i] - 1 : 0;
-    const double us = device_us + extra * kExtraOpUs;
+    us[i] = device_us + extra * kExtraOpUs;
     const Candidate& c = *live[i];
+    if (c.label == rule_way) rule = int(i);
     if (log)
-      std::fprintf(stderr, "regemm tune: %s: %s %.2f us (device %.2f%s + %.0f us x %d extra ops)\n", sig.c_str(),
-                   c.label.c_str(), us, device_us, cold.buf ? ", cold L2" : "", kExtraOpUs, extra);
-    if (!best->entry || us < best_us) { *best = c; best_us = us; }
+      std::fprintf(stderr, "regemm tune: %s: %s %.2f us (device %.2f%s + %.0f us x %d extra ops)%s\n", sig.c_str(),
+                   c.label.c_str(), us[i], device_us, cold.buf ? ", cold L2" : "", kExtraOpUs, extra,
+                   c.label == rule_way ? " the rule's way" : "");
+    if (fastest < 0 || us[i] < us[fastest]) fastest = int(i);
   }
-  if (log) std::fprintf(stderr, "regemm tune: %s: chose %s\n", sig.c_str(), best->label.c_str());
+  if (fastest < 0) return ffi::Error::Success();
+  const bool keep_rule = rule >= 0 && us[fastest] >= us[rule] * (1.0 - margin_pct / 100.0);
+  *best = *live[keep_rule ? rule : fastest];
+  if (log)
+    std::fprintf(stderr, "regemm tune: %s: chose %s (margin %g%% over the rule's way, %s)\n", sig.c_str(),
+                 best->label.c_str(), margin_pct, rule >= 0 ? rule_way.c_str() : "not timed");
   return ffi::Error::Success();
 }
 
@@ -522,7 +545,8 @@ ffi::Error tuned_run(const Kernel<P, O, CudaRuntime>& rule, const P& p, const O&
   }
   if (cands.size() > 1 && !chosen.entry) {
     if (rt.capturing || !may_time) return rule.run(p, o, rt);  // untimed, and not remembered
-    if (ffi::Error e = time_candidates(cands, p, o, rt, device, sig, &chosen); e.failure()) return e;
+    const std::string rule_way = rule.rule_way ? rule.rule_way(p, o, rt) : "";
+    if (ffi::Error e = time_candidates(cands, p, o, rt, device, sig, rule_way, &chosen); e.failure()) return e;
     std::lock_guard<std::mutex> lock(g_mu);
     ++g_timings;
     if (chosen.entry && !disk_key.empty()) {

@@ -42,12 +42,16 @@ struct Kernel {
   // the same on every call with the same problem and operand alignments.
   using Variants = void (*)(const Problem&, const Operands&, Runtime&, std::vector<std::string>* names);
   using RunVariant = ffi::Error (*)(const Problem&, const Operands&, Runtime&, int variant);
+  // The way `run` takes for the problem, labelled as the tuner labels ways
+  // ("entry/variant", any entry's); "" where it is none of them.
+  using RuleWay = std::string (*)(const Problem&, const Operands&, Runtime&);
   std::string_view name;
   int priority;  // higher wins among those that support a problem
   Supports supports;  // a rule may pick it for the problem
   Run run;            // the entry's own choice among its ways
   Variants variants = nullptr;  // null: `run` is the only way (never timed)
   RunVariant run_variant = nullptr;
+  RuleWay rule_way = nullptr;  // null: unknown
 };
 
 template <class Problem, class Operands, class Runtime>
