@@ -90,12 +90,14 @@ NB_MODULE(_regemm_cuda, m) {
   });
   m.def("kernels", [] { return regemm::kernels_by_op<CudaRuntime>(); });
   // The GEMM tuner (tuner.cu): {signature: "entry/variant"} chosen so far,
-  // how many problems were timed, and forgetting the in-process winners.
+  // how many problems were timed, how many of its stream holds ran to their
+  // limit, and forgetting the in-process winners.
   m.def("tuned", [] {
     nb::dict d;
     for (const auto& kv : regemm::tuner::winners()) d[nb::str(kv.first.c_str())] = nb::str(kv.second.c_str());
     return d;
   });
   m.def("tuning_count", [] { return regemm::tuner::timings(); });
+  m.def("tuner_hold_timeouts", [] { return regemm::tuner::hold_timeouts(); });
   m.def("forget_tuned", [] { regemm::tuner::forget(); });
 }

@@ -300,31 +300,48 @@ __device__ __forceinline__ uint64_t global_ns() {
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
   return t;
 }
-// Holds the stream (one thread, sleeping) until *release == ticket (never,
-// for a null release), or max_ns at most: work queued behind it starts back
-// to back when it ends, however slowly the host queued it.
-__global__ void hold_stream(const volatile uint32_t* release, uint32_t ticket, uint64_t max_ns) {
+constexpr int kMaxDevices = 64;
+
+// Holds the stream (one thread, sleeping) until *release has reached ticket
+// (never, for a null release), or max_ns at most: work queued behind it
+// starts back to back when it ends, however slowly the host queued it.
+// Tickets only grow (modulo 2^32), so a hold the stream reaches after the
+// host released a later one ends at once. A hold that ran to its limit is
+// counted in release[kMaxDevices] (hold_words()).
+__global__ void hold_stream(volatile uint32_t* release, uint32_t ticket, uint64_t max_ns) {
   const uint64_t t0 = global_ns();
-  while ((!release || *release != ticket) && global_ns() - t0 < max_ns) __nanosleep(500);
+  while ((!release || int32_t(*release - ticket) < 0) && global_ns() - t0 < max_ns) __nanosleep(500);
+  if (release && int32_t(*release - ticket) < 0) release[kMaxDevices] += 1;
 }
 
-// The word hold_stream polls: pinned, mapped host memory (the same address
-// on the device: unified addressing), one per device, allocated once per
-// process and never freed; null where that failed (then the hold runs to its
-// limit).
-volatile uint32_t* release_word(int device) {
-  constexpr int kMaxDevices = 64;
+// Releases the holds up to ticket (never moving the word back).
+void release_holds(volatile uint32_t* release, uint32_t ticket) {
+  if (release && int32_t(ticket - *release) > 0) *release = ticket;
+}
+
+// The words hold_stream reads and writes: pinned, mapped host memory (the
+// same address on the device: unified addressing), allocated once per process
+// and never freed: a release word per device, then a count of holds that ran
+// to their limit per device; null where that failed.
+volatile uint32_t* hold_words() {
   static volatile uint32_t* words = nullptr;
   static std::once_flag once;
   std::call_once(once, [] {
     void* p = nullptr;
-    if (cudaHostAlloc(&p, kMaxDevices * sizeof(uint32_t), cudaHostAllocMapped | cudaHostAllocPortable) != cudaSuccess) {
+    if (cudaHostAlloc(&p, 2 * kMaxDevices * sizeof(uint32_t), cudaHostAllocMapped | cudaHostAllocPortable) !=
+        cudaSuccess) {
       cudaGetLastError();
       return;
     }
     words = static_cast<volatile uint32_t*>(p);
-    for (int i = 0; i < kMaxDevices; ++i) words[i] = 0;
+    for (int i = 0; i < 2 * kMaxDevices; ++i) words[i] = 0;
   });
+  return words;
+}
+
+// The device's release word (null: then a hold runs to its limit).
+volatile uint32_t* release_word(int device) {
+  volatile uint32_t* words = hold_words();
   return words && device >= 0 && device < kMaxDevices ? words + device : nullptr;
 }
 
@@ -458,11 +475,11 @@ ffi::Error time_candidates(const std::vector<Candidate>& cands, const P& p, cons
       if (r == 0) ops[i] = rt.ops;
       cudaEventRecord(e[1], rt.stream);
       if (ffi::Error err = cuda_fault(live[i]->label); err.failure()) {
-        if (release) *release = ticket;
+        release_holds(release, ticket);
         return err;
       }
     }
-    if (release) *release = ticket;
+    release_holds(release, ticket);
   }
   if (ffi::Error e = cuda_fault("the tuner's timing", cudaEventSynchronize(ev.back())); e.failure()) return e;
   std::vector<double> us(nc, 0.0);
@@ -595,6 +612,13 @@ std::vector<std::pair<std::string, std::string>> winners() {
 int64_t timings() {
   std::lock_guard<std::mutex> lock(g_mu);
   return g_timings;
+}
+
+int64_t hold_timeouts() {
+  volatile uint32_t* words = hold_words();
+  int64_t n = 0;
+  for (int i = 0; words && i < kMaxDevices; ++i) n += words[kMaxDevices + i];
+  return n;
 }
 
 void forget() {

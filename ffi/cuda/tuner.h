@@ -16,6 +16,11 @@ std::vector<std::pair<std::string, std::string>> winners();
 // Problems timed so far in this process (a cache hit, in memory or on disk, times nothing).
 int64_t timings();
 
+// The tuner's holds of a stream (while it queues a round of timed runs) that
+// ran to their limit instead of being released: work queued behind them waited
+// for nothing. Read after the timing's synchronisation.
+int64_t hold_timeouts();
+
 // Forgets the in-process winners (the disk cache, if any, stays).
 void forget();
 
