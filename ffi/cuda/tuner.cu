@@ -408,9 +408,9 @@ ffi::Error cuda_fault(const std::string& label, cudaError_t e = cudaGetLastError
 // rule's (the registry's, untimed) when none could be timed. One way's time
 // moves between timings by more than ways often differ (a 4096-wide dgrad:
 // 846-958 us for one way, its rivals within 1-3%), so without a margin such
-// picks were a coin toss, and a tie picked away from the rule could run
-// slower in the program than alone (the f32 4096x4096 gelu block, 3.5%;
-// results/h100_tuner_pick_drift.md, h100_f32_dgrad_k_bound.md).
+// picks were a coin toss. Inside programs the rule's way was the better of
+// a tie in one case and the worse in another (docs/performance.md, the
+// tuner's ties; results/h100_tuner_pick_drift.md, h100_train_full_966013e.md).
 //
 // A candidate's time: the median of `reps` runs, each timed alone (events
 // around it) right after the L2 cache was flushed, plus the host charge.
