@@ -10,11 +10,13 @@ device time (profiler timeline of one step, devtime.py) and wall clock (a
 pipelined loop of steps, blocked once at the end, per step; the sides' loops take turns). Also the
 compiled step's temporary memory. Median of repeats after warm-up.
 
---ab NAME=VAR=VALUE adds a side: ours compiled with the environment variable
-VAR set to VALUE (an A/B of a lowering choice in the same process). Only for
-variables read when the step is lowered (REGEMM_DACT, REGEMM_PLAIN_GEMM): the
-CUDA module reads its own (REGEMM_FUSED_DGRAD, REGEMM_VARIANT, ...) when the
-step runs, so their A/B takes a process a side.
+--ab NAME=VAR=VALUE adds a side: ours with the environment variable VAR set to
+VALUE while its step is lowered and while it runs (an A/B in the same process):
+variables read at lowering (REGEMM_DACT, REGEMM_PLAIN_GEMM) and those the CUDA
+module reads at every call (REGEMM_TUNE_MARGIN, REGEMM_FUSED_DGRAD,
+REGEMM_VARIANT, ...; they are part of the tuner's signatures, so each side
+keeps its own picks). Every run of such a side is blocked on before the
+variable is restored, its wall-clock loops included (one block a loop).
 
 --no-bias: every Dense layer without bias on both sides (the backward without
 the bias gradient: where the fused dgrad kernel pays, docs/performance.md).
@@ -94,30 +96,46 @@ def make_step(model, opt):
     return step
 
 
-def wall_ms(steps, x, y, n=30, repeats=5):
+def wall_ms(steps, x, y, n=30, repeats=5, envs=None):
     """{side: (compiled step, (params, opt_state))} -> {side: median ms per step of a
-    pipelined loop of n steps}. The sides' loops take turns, repeat by repeat: run
+    pipelined loop of n steps}, each side's loops run with envs[side] = (VAR, VALUE)
+    set, if given. The sides' loops take turns, repeat by repeat: run
     one side's loops after the other's and the later side meets a hotter GPU (on an
     H100 the 4096x4096x4 bf16 loops run at the power cap, the SM clock at 1590-1725
     MHz instead of 1980), which cost the last side up to 4% a step."""
+    envs = envs or {}
     state = {}
     for side, (step, (params, opt_state)) in steps.items():
         params, opt_state = jax.tree.map(jnp.copy, (params, opt_state))  # the step may donate them
-        for _ in range(3):
-            params, opt_state, l = step(params, opt_state, x, y)
-        jax.block_until_ready(l)
+        with _env(*envs.get(side, ("", ""))):
+            for _ in range(3):
+                params, opt_state, l = step(params, opt_state, x, y)
+            jax.block_until_ready(l)
         state[side] = (params, opt_state)
     ts = {side: [] for side in steps}
     for _ in range(repeats):
         for side, (step, _) in steps.items():
             params, opt_state = state[side]
-            t0 = time.perf_counter()
-            for _ in range(n):
-                params, opt_state, l = step(params, opt_state, x, y)
-            jax.block_until_ready(l)
-            ts[side].append((time.perf_counter() - t0) / n * 1e3)
+            with _env(*envs.get(side, ("", ""))):
+                t0 = time.perf_counter()
+                for _ in range(n):
+                    params, opt_state, l = step(params, opt_state, x, y)
+                jax.block_until_ready(l)
+                ts[side].append((time.perf_counter() - t0) / n * 1e3)
             state[side] = (params, opt_state)
     return {side: statistics.median(t) for side, t in ts.items()}
+
+
+def _with_env(fn, var, value):
+    """fn, run with VAR=VALUE set and blocked on before it is restored."""
+    if not var:
+        return fn
+
+    def run(*args):
+        with _env(var, value):
+            return jax.block_until_ready(fn(*args))
+
+    return run
 
 
 @contextlib.contextmanager
@@ -175,11 +193,11 @@ def run(shapes, acts, dtypes, repeats, ab, use_bias=True, devices=1, donate=Fals
                             looped = named_jit(make_step(model, opt), f"{tag}_{side}_donated", donate_argnums=(0, 1))
                             looped = looped.lower(st[0], st[1], x, y).compile()
                     steps[side] = (looped, st)
-                    cases[side] = (step, [(st[0], st[1], x, y)])
+                    cases[side] = (_with_env(step, var, value), [(st[0], st[1], x, y)])
                     mem[side] = step.memory_analysis().temp_size_in_bytes
                     coll[side] = collectives(step)
                 dev = device_times_ms(cases, repeats=repeats)
-                wall = wall_ms(steps, x, y)
+                wall = wall_ms(steps, x, y, envs={n: (v, val) for n, (_, _, v, val) in sides.items() if v})
                 rec = dict(shape=[rows, width, layers], dtype=dname, act=act, bias=use_bias,
                            xla_ms=dev["xla"], regemm_ms=dev["regemm"], floor_ms=dev["floor"],
                            speedup=dev["xla"] / dev["regemm"],
@@ -213,7 +231,7 @@ def main():
     ap.add_argument("--out", default="")
     ap.add_argument("--label", default="")
     ap.add_argument("--no-bias", action="store_true", help="Dense layers without bias on both sides (the floor has none anyway)")
-    ap.add_argument("--ab", action="append", default=[], help="NAME=VAR=VALUE: ours with VAR=VALUE, as side NAME")
+    ap.add_argument("--ab", action="append", default=[], help="NAME=VAR=VALUE: ours with VAR=VALUE (lowered and run), as side NAME")
     ap.add_argument("--devices", type=int, default=1, help="data-parallel over this many devices (the batch sharded)")
     ap.add_argument("--donate", action="store_true", help="the wall-clock loops donate params and optimizer state")
     args = ap.parse_args()
