@@ -87,15 +87,12 @@ const Register<GemmProblem, GemmOperands, CudaRuntime> kRegister(
 // (cutlass_dispatch.h; where the workspace has no room for the sums, the dact
 // pass with act none sums the stored gZ instead, as after cuBLASLt's DGELU
 // matmul, cublas_gemm.cu). A way the tuner times against cuBLAS's composed one
-// (its dgrad GEMM, then the in-place dact pass; the rule's way, which keeps
-// ties within the tuner's margin) and DGELU ones: it wins where the act' pass
-// is large against the GEMM (narrow layers, cheap act' forms) and ties or
-// loses at 4096 wide, where CUTLASS's mainloop is behind cuBLAS's
-// (docs/performance.md). Untimed (REGEMM_TUNE=0, a call captured into a CUDA
-// graph before its signature was timed) the composed way runs, unless
-// REGEMM_FUSED_DGRAD=1 forces the fused one; =0 keeps it out. Never where
-// REGEMM_BACKEND forces another kernel (the sanitizers' runs keep TMA kernels
-// out).
+// (its dgrad GEMM, then the in-place dact pass) and DGELU ones: it wins where
+// the act' pass is large against the GEMM (narrow layers, cheap act' forms)
+// and ties or loses at 4096 wide, where CUTLASS's mainloop is behind cuBLAS's
+// (docs/performance.md). REGEMM_FUSED_DGRAD=1 forces it; =0 keeps it out.
+// Never where REGEMM_BACKEND forces another kernel (the sanitizers' runs keep
+// TMA kernels out).
 bool supports_dgrad_dact(const DgradDactProblem& q) {
   if (backend_forced_elsewhere(kName) || env_off("REGEMM_FUSED_DGRAD")) return false;
   return can_run_dgrad_dact(q.gemm, q.dact);
@@ -113,9 +110,22 @@ ffi::Error run_fused(const DgradDactProblem& q, const DgradDactOperands& o, Cuda
   return summed ? ffi::Error::Success() : bias_grad_from_gz(q, o, rt);
 }
 
-// The rule, untimed: the composed way unless the fused one is forced.
+// The rule (untimed: REGEMM_TUNE=0, a call captured into a CUDA graph before
+// its signature was timed; timed, the way the tuner keeps unless another is
+// faster by more than its margin): the fused way up to K = kFusedRuleMaxK,
+// the composed one past it. In training steps with every dgrad forced one way
+// or the other (results/h100_train_dgrad_ab_f31d9e8.md) the fused way was as
+// fast or faster wherever the two tied alone at K <= 2048 (32768x512x12 bf16
+// silu, K = 512: 1.645 against 1.782 ms a step), and the composed one was the
+// faster at K = 4096 (every 4096x4096x4 step, 2-5%).
+constexpr int64_t kFusedRuleMaxK = 2048;
+
+bool fused_by_rule(const DgradDactProblem& q) {
+  return env_on("REGEMM_FUSED_DGRAD") || q.gemm.k <= kFusedRuleMaxK;
+}
+
 ffi::Error run_dgrad_dact_entry(const DgradDactProblem& q, const DgradDactOperands& o, CudaRuntime& rt) {
-  return env_on("REGEMM_FUSED_DGRAD") ? run_fused(q, o, rt) : dgrad_then_dact(q, o, rt);
+  return fused_by_rule(q) ? run_fused(q, o, rt) : dgrad_then_dact(q, o, rt);
 }
 
 void dgrad_dact_variants(const DgradDactProblem&, const DgradDactOperands&, CudaRuntime&,
@@ -127,8 +137,8 @@ ffi::Error run_dgrad_dact_variant(const DgradDactProblem& q, const DgradDactOper
   return run_fused(q, o, rt);
 }
 
-std::string dgrad_dact_rule_way(const DgradDactProblem&, const DgradDactOperands&, CudaRuntime&) {
-  return env_on("REGEMM_FUSED_DGRAD") ? std::string(kName) + "/fused" : kComposedDgradWay;
+std::string dgrad_dact_rule_way(const DgradDactProblem& q, const DgradDactOperands&, CudaRuntime&) {
+  return fused_by_rule(q) ? std::string(kName) + "/fused" : kComposedDgradWay;
 }
 
 const Register<DgradDactProblem, DgradDactOperands, CudaRuntime> kRegisterDgradDact(
