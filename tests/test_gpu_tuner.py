@@ -236,6 +236,26 @@ def test_the_rules_way_keeps_ties(margin, capfd, monkeypatch):
     assert _rel(y, _reference((a, b, bias, None), kw, "per_col")[0]) < TOL["bfloat16"]
 
 
+def test_the_first_listed_way_is_the_rule_without_a_rule_way(capfd, monkeypatch):
+    """An entry that names no rule_way (cuBLAS's, the SIMT kernel's: registry.h) runs the first
+    way it lists: with REGEMM_BACKEND=cublas an f32 gelu layer's rule is cuBLAS's entry, and the
+    tuner must take the first cuBLAS way it times as the rule's way (the margin then keeps it on
+    a tie, assert_tuner_kept). The result against the reference."""
+    from conftest import assert_tuner_kept
+
+    monkeypatch.setenv("REGEMM_TUNE_LOG", "1")
+    monkeypatch.setenv("REGEMM_BACKEND", "cublas")
+    cuda.forget_tuned()
+    args, kw = _problem(0, "float32", 256, 192, 128, act="gelu", kind="per_col", with_c=False)
+    capfd.readouterr()
+    y, _ = _forward(args, kw, "per_col", False)
+    y = y.block_until_ready()
+    ((times, rule, chose, pct),) = assert_tuner_kept(capfd.readouterr().err).values()
+    assert len(times) > 1 and all(w.startswith("cublas/") for w in times), times
+    assert rule == next(iter(times)), (rule, list(times))
+    assert _rel(y, _reference(args, kw, "per_col")[0]) < TOL["float32"]
+
+
 def test_timing_holds_are_released(monkeypatch):
     """Each round of timed runs waits behind a hold until the host has queued it. Where the
     device is slower than the host, the host releases a round before the device reaches its

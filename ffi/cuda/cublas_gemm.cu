@@ -516,17 +516,9 @@ bool supports(const GemmProblem& p) {
   return p.k > 0 && (p.is_plain_gemm() || p.dtype == DType::kF32 || p.dtype == DType::kF64);
 }
 
-// run_cublas takes the first of the ways variants() lists.
-std::string rule_way(const GemmProblem& p, const GemmOperands& o, CudaRuntime& rt) {
-  std::vector<std::string> names;
-  variants(p, o, rt, &names);
-  for (const std::string& n : names)
-    if (!n.empty()) return "cublas/" + n;
-  return "";
-}
-
+// run_cublas takes the first of the ways variants() lists (no rule_way).
 const Register<GemmProblem, GemmOperands, CudaRuntime> kRegister(
-    {"cublas", 10, supports, run_cublas, variants, run_variant, rule_way});
+    {"cublas", 10, supports, run_cublas, variants, run_variant});
 
 // ---------------------------------------------------------------------------
 // regemm_dgrad_dact with cuBLASLt's DGELU epilogue: gZ = (alpha op(A) op(B))
@@ -614,9 +606,9 @@ ffi::Error run_dgrad_dact_variant(const DgradDactProblem& q, const DgradDactOper
   return v == kComposed ? dgrad_then_dact(q, o, rt) : run_dgelu(q, o, v - kDgelu, rt);
 }
 
+// Its rule, the composed way, is the first way it lists (no rule_way).
 const Register<DgradDactProblem, DgradDactOperands, CudaRuntime> kRegisterDgradDact(
-    {"cublas", 10, supports_dgrad_dact, dgrad_then_dact<CudaRuntime>, dgrad_dact_variants, run_dgrad_dact_variant,
-     [](const DgradDactProblem&, const DgradDactOperands&, CudaRuntime&) { return std::string(kComposedDgradWay); }});
+    {"cublas", 10, supports_dgrad_dact, dgrad_then_dact<CudaRuntime>, dgrad_dact_variants, run_dgrad_dact_variant});
 
 }  // namespace
 }  // namespace regemm

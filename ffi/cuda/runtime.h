@@ -56,8 +56,9 @@ inline std::atomic<int64_t> g_captured_calls{0};
 inline std::atomic<int64_t> g_host_calls{0}, g_host_ns{0};
 
 // The tuner's label of regemm_dgrad_dact's composed way (dgrad_then_dact:
-// the GEMM, then the dact pass in place), one of cublas_gemm.cu's dgrad_dact
-// ways, which the rules take (cutlass_registry.cu's past K = 2048).
+// the GEMM, then the dact pass in place): cublas_gemm.cu's first listed
+// dgrad_dact way, its entry's rule, which cutlass_registry.cu's rule takes
+// past K = 2048.
 inline constexpr const char* kComposedDgradWay = "cublas/composed";
 
 // The device's L2 cache in bytes (64 MiB where the query fails).

@@ -226,16 +226,10 @@ void variants(const GemmProblem& p, const GemmOperands&, CudaRuntime&, std::vect
 
 ffi::Error run_variant(const GemmProblem& p, const GemmOperands& o, CudaRuntime& rt, int) { return run_simt(p, o, rt); }
 
-// run_simt is its one way, where variants() lists it.
-std::string rule_way(const GemmProblem& p, const GemmOperands& o, CudaRuntime& rt) {
-  std::vector<std::string> names;
-  variants(p, o, rt, &names);
-  return names.empty() ? "" : "cuda_simt/" + names[0];
-}
-
-// The fallback: supports everything, lowest priority.
+// The fallback: supports everything, lowest priority. run_simt is its one way
+// (no rule_way).
 const Register<GemmProblem, GemmOperands, CudaRuntime> kRegister({
-    "cuda_simt", 0, [](const GemmProblem&) { return true; }, run_simt, variants, run_variant, rule_way});
+    "cuda_simt", 0, [](const GemmProblem&) { return true; }, run_simt, variants, run_variant});
 
 }  // namespace
 }  // namespace regemm

@@ -43,7 +43,8 @@ struct Kernel {
   using Variants = void (*)(const Problem&, const Operands&, Runtime&, std::vector<std::string>* names);
   using RunVariant = ffi::Error (*)(const Problem&, const Operands&, Runtime&, int variant);
   // The way `run` takes for the problem, labelled as the tuner labels ways
-  // ("entry/variant", any entry's); "" where it is none of them.
+  // ("entry/variant", any entry's); "" where it is none of them. Null: the
+  // first way `variants` lists for the problem.
   using RuleWay = std::string (*)(const Problem&, const Operands&, Runtime&);
   std::string_view name;
   int priority;  // higher wins among those that support a problem
@@ -51,7 +52,7 @@ struct Kernel {
   Run run;            // the entry's own choice among its ways
   Variants variants = nullptr;  // null: `run` is the only way (never timed)
   RunVariant run_variant = nullptr;
-  RuleWay rule_way = nullptr;  // null: unknown
+  RuleWay rule_way = nullptr;  // null: the first listed way
 };
 
 template <class Problem, class Operands, class Runtime>
