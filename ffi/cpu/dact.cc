@@ -19,14 +19,16 @@ void dact(const DactProblem& p, const DactOperands& o, const CpuRuntime& rt) {
   const int64_t rows_per_chunk = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(p.n, 1));
   const int64_t chunks = std::max<int64_t>(1, (p.m + rows_per_chunk - 1) / rows_per_chunk);
   const bool per_col = p.bias_kind == BiasKind::kPerCol;
+  // Row sums (one serial sum per row: as long as the pass itself) only where the bias gradient is made of them.
+  const bool by_row = p.bias_kind == BiasKind::kPerRow || p.bias_kind == BiasKind::kScalar;
   for (int64_t b = 0; b < p.batch; ++b) {
     const T* gy = static_cast<const T*>(o.gy) + b * p.stride_gy;
     const T* s = static_cast<const T*>(o.s) + b * p.stride_s;
     T* gz = static_cast<T*>(o.gz) + b * p.m * p.n;
-    std::vector<double> col(per_col ? chunks * p.n : 0, 0.0), row(std::max<int64_t>(p.m, 1), 0.0);
+    std::vector<double> col(per_col ? chunks * p.n : 0, 0.0), row(by_row ? std::max<int64_t>(p.m, 1) : 0, 0.0);
     rt.parallel_for(chunks, [&](int64_t c) {
       const int64_t i0 = c * rows_per_chunk, i1 = std::min(p.m, i0 + rows_per_chunk);
-      if (i0 < i1) kernels.dact_rows(p, gy, s, gz, i0, i1, per_col ? &col[c * p.n] : nullptr, &row[i0]);
+      if (i0 < i1) kernels.dact_rows(p, gy, s, gz, i0, i1, per_col ? &col[c * p.n] : nullptr, by_row ? &row[i0] : nullptr);
     });
     if (p.bias_kind == BiasKind::kNone) continue;
     T* gbias = static_cast<T*>(o.gbias) + b * bias_length(p.bias_kind, p.m, p.n);

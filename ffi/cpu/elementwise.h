@@ -15,8 +15,9 @@ struct ElementwiseKernels {
   // y[i] = act(z[i]) for i in [begin, end) (y may be z).
   void (*act)(DType t, Act act, double slope, const void* z, void* y, int64_t begin, int64_t end);
   // Rows [i0, i1) of one problem of the backward epilogue: gZ = gY * act'(S);
-  // each row's sum of gZ (as stored) into row_sums[i - i0], and where col is
-  // not null, each column's sum over these rows added into col.
+  // where row_sums is not null, each row's sum of gZ (as stored) into
+  // row_sums[i - i0], and where col is not null, each column's sum over these
+  // rows added into col.
   void (*dact_rows)(const DactProblem& p, const void* gy, const void* s, void* gz, int64_t i0, int64_t i1,
                     double* col, double* row_sums);
 };

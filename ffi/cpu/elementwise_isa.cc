@@ -57,9 +57,11 @@ void dact_t(const DactProblem& p, const T* __restrict gy, const T* __restrict s,
       g[j] = load<A>(store<T>(x));  // the bias gradient sums gZ as stored (one use of a 16-bit
                                     // struct per statement: GCC vectorizes that, not two)
     }
-    double r = 0.0;
-    for (int64_t j = 0; j < p.n; ++j) r += double(g[j]);
-    row_sums[i - i0] = r;
+    if (row_sums) {  // a serial sum (it does not vectorize): only for the bias kinds that need it
+      double r = 0.0;
+      for (int64_t j = 0; j < p.n; ++j) r += double(g[j]);
+      row_sums[i - i0] = r;
+    }
     if (col)
       for (int64_t j = 0; j < p.n; ++j) col[j] += double(g[j]);
   }
