@@ -19,7 +19,7 @@ void dact(const DactProblem& p, const DactOperands& o, const CpuRuntime& rt) {
   const int64_t rows_per_chunk = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(p.n, 1));
   const int64_t chunks = std::max<int64_t>(1, (p.m + rows_per_chunk - 1) / rows_per_chunk);
   const bool per_col = p.bias_kind == BiasKind::kPerCol;
-  // Row sums (one serial sum per row: as long as the pass itself) only where the bias gradient is made of them.
+  // Row sums only where the bias gradient is made of them.
   const bool by_row = p.bias_kind == BiasKind::kPerRow || p.bias_kind == BiasKind::kScalar;
   for (int64_t b = 0; b < p.batch; ++b) {
     const T* gy = static_cast<const T*>(o.gy) + b * p.stride_gy;

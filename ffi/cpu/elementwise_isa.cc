@@ -57,9 +57,17 @@ void dact_t(const DactProblem& p, const T* __restrict gy, const T* __restrict s,
       g[j] = load<A>(store<T>(x));  // the bias gradient sums gZ as stored (one use of a 16-bit
                                     // struct per statement: GCC vectorizes that, not two)
     }
-    if (row_sums) {  // a serial sum (it does not vectorize): only for the bias kinds that need it
+    if (row_sums) {  // only for the bias kinds made of row sums
+      // Eight running sums, one per column modulo 8, then added in a fixed
+      // order: as deterministic as one running sum, and it vectorizes (one
+      // running sum is a chain of dependent adds as long as the pass itself).
+      double part[8] = {};
+      int64_t j = 0;
+      for (; j + 8 <= p.n; j += 8)
+        for (int k = 0; k < 8; ++k) part[k] += double(g[j + k]);
       double r = 0.0;
-      for (int64_t j = 0; j < p.n; ++j) r += double(g[j]);
+      for (; j < p.n; ++j) r += double(g[j]);
+      for (double v : part) r += v;
       row_sums[i - i0] = r;
     }
     if (col)
