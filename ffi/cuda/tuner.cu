@@ -563,10 +563,11 @@ ffi::Error tuned_run(const Kernel<P, O, CudaRuntime>& rule, const P& p, const O&
   if (cands.size() > 1 && !chosen.entry) {
     if (rt.capturing || !may_time) return rule.run(p, o, rt);  // untimed, and not remembered
     std::string rule_way;  // Kernel::rule_way, or the rule's entry's first listed way
-    if (rule.rule_way) rule_way = rule.rule_way(p, o, rt);
-    else if (auto c = std::find_if(cands.begin(), cands.end(), [&](const Candidate& c) { return c.entry == &rule; });
-             c != cands.end())
-      rule_way = c->label;
+    if (rule.rule_way)
+      rule_way = rule.rule_way(p, o, rt);
+    else
+      for (const Candidate& c : cands)
+        if (c.entry == &rule && rule_way.empty()) rule_way = c.label;
     if (ffi::Error e = time_candidates(cands, p, o, rt, device, sig, rule_way, &chosen); e.failure()) return e;
     std::lock_guard<std::mutex> lock(g_mu);
     ++g_timings;
