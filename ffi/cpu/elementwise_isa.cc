@@ -40,13 +40,15 @@ template <class T> void act_t(Act act, double slope, const void* z, void* y, int
 }
 
 // kInPlace: gY is gZ's buffer (regemm_dgrad_dact), read through gz; gy is unused.
-template <class T, Act kAct, bool kFromY, bool kInPlace>
+// kSums: a bias gradient is taken (col or row_sums not null); without one the
+// loop is gZ alone.
+template <class T, Act kAct, bool kFromY, bool kInPlace, bool kSums>
 void dact_t(const DactProblem& p, const T* __restrict gy, const T* __restrict s, T* __restrict gz, int64_t i0,
             int64_t i1, double* col, double* row_sums) {
   using A = acc_t<T>;
   const A slope = A(p.slope);
   thread_local std::vector<A> g;
-  g.resize(p.n);
+  if (kSums) g.resize(p.n);
   for (int64_t i = i0; i < i1; ++i) {
     const int64_t off = i * p.n;
     for (int64_t j = 0; j < p.n; ++j) {  // vectorizes: no calls, selects only
@@ -54,7 +56,7 @@ void dact_t(const DactProblem& p, const T* __restrict gy, const T* __restrict s,
       const A d = kFromY ? act_grad_from_y(kAct, sv, slope) : act_grad(kAct, sv, slope);
       const A x = load<A>(kInPlace ? gz[off + j] : gy[off + j]) * d;
       gz[off + j] = store<T>(x);
-      g[j] = load<A>(store<T>(x));  // the bias gradient sums gZ as stored (one use of a 16-bit
+      if (kSums) g[j] = load<A>(store<T>(x));  // the bias gradient sums gZ as stored (one use of a 16-bit
                                     // struct per statement: GCC vectorizes that, not two)
     }
     if (row_sums) {  // only for the bias kinds made of row sums
@@ -80,13 +82,16 @@ void dact_rows_t(const DactProblem& p, const void* gy, const void* s, void* gz, 
                  double* row_sums) {
   with_act(p.act, [&](auto act) {
     constexpr Act k = decltype(act)::value;
-    auto run = [&](auto from_y, auto in_place) {
-      dact_t<T, k, decltype(from_y)::value, decltype(in_place)::value>(
+    auto run = [&](auto from_y, auto in_place, auto sums) {
+      dact_t<T, k, decltype(from_y)::value, decltype(in_place)::value, decltype(sums)::value>(
           p, in_place ? nullptr : static_cast<const T*>(gy), static_cast<const T*>(s), static_cast<T*>(gz), i0, i1,
           col, row_sums);
     };
+    auto with_sums = [&](auto from_y, auto in_place) {
+      col || row_sums ? run(from_y, in_place, std::true_type{}) : run(from_y, in_place, std::false_type{});
+    };
     auto with_place = [&](auto from_y) {
-      gy == gz ? run(from_y, std::true_type{}) : run(from_y, std::false_type{});
+      gy == gz ? with_sums(from_y, std::true_type{}) : with_sums(from_y, std::false_type{});
     };
     p.from_y ? with_place(std::true_type{}) : with_place(std::false_type{});
   });
