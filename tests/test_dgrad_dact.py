@@ -167,6 +167,24 @@ def test_fused_kernel_bias_gradient_many_tiles(rand, monkeypatch, dtype):
     np.testing.assert_array_equal(np.asarray(f(*args)[1], np.float32), np.asarray(gb, np.float32))
 
 
+@gpu
+def test_fused_kernel_large_gz_workspace(rand, monkeypatch):
+    """A gZ of 2^24 elements or more gets a workspace sized by the problem (workspace.h: 8 MiB,
+    not a library GEMM's 31 MiB): the fused kernel's partial sums still fit it (summed in its
+    epilogue), and gZ and the bias gradient match float64 NumPy."""
+    m, n = 16400, 1040  # 17.1M elements; partial tiles in both dims
+    ws = CUDA.dgrad_dact_workspace_bytes("float32", m, n, 1, "per_col")
+    assert ws < CUDA.gemm_workspace_bytes() // 3, ws
+    assert CUDA.dgrad_dact_workspace_bytes("float32", 300, 200, 1, "per_col") == CUDA.gemm_workspace_bytes()
+    monkeypatch.setenv("REGEMM_FUSED_DGRAD", "1")
+    f, args, gz_ref, gb_ref = _fused_case(rand, jnp.float32, True, "gelu", False, "per_col", m=m, n=n, k=64)
+    s0 = CUDA.cutlass_dgrad_bias_sums()
+    gz, gb = jax.block_until_ready(f(*args))
+    assert CUDA.cutlass_dgrad_bias_sums() == s0 + 1
+    assert_rel(gz, gz_ref, jnp.float32, None, "gZ")
+    assert_rel(gb, gb_ref, jnp.float32, None, "gBias")
+
+
 # ---------------------------------------------------------------------------
 # cuBLASLt's DGELU matmul (16-bit gelu from Z, gZ larger than the L2 cache):
 # the tuner times it against the composed way (cublas_gemm.cu). Skips without

@@ -351,8 +351,11 @@ struct Call {
 
 ffi::Error prepare(const GemmProblem& p, CudaRuntime& rt, Call* c) {
   if (!types_of(p, &c->t)) return bad("cuBLAS GEMM: unsupported dtype");
-  c->workspace = rt.take(kGemmWorkspaceBytes);  // null: zero-size workspace
-  c->workspace_bytes = c->workspace ? kGemmWorkspaceBytes : 0;
+  // Up to a library GEMM's workspace, as much as the call has (less where the
+  // lowering sized it by the problem, workspace.h); null: zero-size workspace.
+  c->workspace_bytes = std::min(kGemmWorkspaceBytes, rt.capacity());
+  c->workspace = rt.take(c->workspace_bytes);
+  if (!c->workspace) c->workspace_bytes = 0;
   return device_handle(&c->dh);
 }
 

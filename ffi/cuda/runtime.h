@@ -134,6 +134,14 @@ struct CudaRuntime {
     return size_t(p - b) + bytes <= size_ ? reinterpret_cast<void*>(p) : nullptr;
   }
 
+  // The most take() hands out: the workspace less its alignment slack.
+  size_t capacity() const {
+    if (!base_) return 0;
+    const uintptr_t b = reinterpret_cast<uintptr_t>(base_);
+    const size_t slack = ((b + kWorkspaceAlign - 1) & ~uintptr_t(kWorkspaceAlign - 1)) - b;
+    return size_ > slack ? size_ - slack : 0;
+  }
+
   // `bytes` the kernel cannot do without (null for 0 bytes); too little is a
   // bug in the size the lowering asked for (workspace.h).
   ffi::Error workspace(size_t bytes, void** out) const {

@@ -9,10 +9,12 @@
 // replay, and shared with other temporaries outside the call's live range.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 
 #include "../regemm/problem.h"
+#include "cutlass_dgrad.h"
 
 namespace regemm {
 
@@ -40,14 +42,33 @@ size_t dact_workspace_bytes(DType t, int64_t m, int64_t n, int64_t batch, BiasKi
 // step's temporaries 291 MiB against 264 now, results/h200_train_memory_workspace.md).
 inline size_t gemm_workspace_bytes() { return kGemmWorkspaceBytes + kWorkspaceAlign; }
 
+// regemm_dgrad_dact's GEMM share where gZ has kLargeGemmElements or more
+// (1024 or more 128x128 tiles: eight waves on an H100, where no way needs to
+// split K or stream, the ways that want a large workspace): 8 MiB, or the
+// fused kernel's partial bias sums and 1 MiB where those are larger. Such a
+// call is the backward's first, with every residual of the forward live: the
+// training step's peak. Compiled temporaries of relu steps (MiB; XLA's, then
+// ours with a share of 31 / 8 / 2 MiB): 32768x512x12 f32 832: 863 / 840 / 834,
+// bf16 448: 447 / 424 / 776 (at 6 MiB and below XLA's buffer assignment packs
+// that step far worse), 16384x2048x6 bf16 480: 487 / 464 / 456, f32 1056:
+// 927 / 896 / 896 (results/h100_train_memory_workspace_by_problem.md).
+inline constexpr int64_t kLargeGemmElements = int64_t(1) << 24;
+inline constexpr size_t kLargeGemmWorkspaceBytes = size_t(8) << 20;
+
 // regemm_dgrad_dact: the GEMM's workspace, then the dact pass's (the composed
 // way; cuBLASLt's DGELU matmul, then the bias gradient), one after the other on
-// the stream. The fused kernel's partial bias sums (1/16 of a 16-bit gZ's
-// bytes: 2 MiB at 32768 x 512) come out of the GEMM's share; where they do
-// not fit it the kernel runs without them (cutlass_dispatch.cu), so this way
-// never makes the call's workspace larger than XLA's own GEMM's.
+// the stream. The fused kernel's partial bias sums (per-column bias only; 1/8
+// of gZ's elements, f32) come out of the GEMM's share; where they do not fit
+// it the kernel runs without them (cutlass_dispatch.cu).
 inline size_t dgrad_dact_workspace_bytes(DType t, int64_t m, int64_t n, int64_t batch, BiasKind kind) {
-  const size_t gemm = gemm_workspace_bytes();
+  size_t gemm = gemm_workspace_bytes();
+  if (m * n * batch >= kLargeGemmElements) {
+    const size_t partials =
+        kind == BiasKind::kPerCol
+            ? size_t(cutlass_sm90::dgrad_partials_rows(m) * cutlass_sm90::dgrad_partials_ld(n) * batch) * sizeof(float)
+            : 0;
+    gemm = std::min(gemm, std::max(kLargeGemmWorkspaceBytes, partials + (size_t(1) << 20)) + kWorkspaceAlign);
+  }
   const size_t dact = dact_workspace_bytes(t, m, n, batch, kind);
   return gemm > dact ? gemm : dact;
 }
