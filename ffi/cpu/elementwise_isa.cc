@@ -56,8 +56,9 @@ void dact_t(const DactProblem& p, const T* __restrict gy, const T* __restrict s,
       const A d = kFromY ? act_grad_from_y(kAct, sv, slope) : act_grad(kAct, sv, slope);
       const A x = load<A>(kInPlace ? gz[off + j] : gy[off + j]) * d;
       gz[off + j] = store<T>(x);
-      if (kSums) g[j] = load<A>(store<T>(x));  // the bias gradient sums gZ as stored (one use of a 16-bit
-                                    // struct per statement: GCC vectorizes that, not two)
+      // The bias gradient sums gZ as stored (one use of a 16-bit struct per
+      // statement: GCC vectorizes that, not two).
+      if (kSums) g[j] = load<A>(store<T>(x));
     }
     if (row_sums) {  // only for the bias kinds made of row sums
       // Eight running sums, one per column modulo 8, then added in a fixed

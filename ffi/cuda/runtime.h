@@ -128,19 +128,11 @@ struct CudaRuntime {
   // launches of a call are ordered on one stream. A user that needs two
   // regions at once carves them out of one request.
   void* take(size_t bytes) const {
-    if (bytes == 0 || !base_) return nullptr;
-    const uintptr_t b = reinterpret_cast<uintptr_t>(base_);
-    const uintptr_t p = (b + kWorkspaceAlign - 1) & ~uintptr_t(kWorkspaceAlign - 1);
-    return size_t(p - b) + bytes <= size_ ? reinterpret_cast<void*>(p) : nullptr;
+    return bytes > 0 && bytes <= capacity() ? static_cast<void*>(base_ + slack()) : nullptr;
   }
 
   // The most take() hands out: the workspace less its alignment slack.
-  size_t capacity() const {
-    if (!base_) return 0;
-    const uintptr_t b = reinterpret_cast<uintptr_t>(base_);
-    const size_t slack = ((b + kWorkspaceAlign - 1) & ~uintptr_t(kWorkspaceAlign - 1)) - b;
-    return size_ > slack ? size_ - slack : 0;
-  }
+  size_t capacity() const { return base_ && size_ > slack() ? size_ - slack() : 0; }
 
   // `bytes` the kernel cannot do without (null for 0 bytes); too little is a
   // bug in the size the lowering asked for (workspace.h).
@@ -153,6 +145,12 @@ struct CudaRuntime {
   }
 
  private:
+  // Bytes from the workspace's start to its first kWorkspaceAlign boundary.
+  size_t slack() const {
+    const uintptr_t b = reinterpret_cast<uintptr_t>(base_);
+    return ((b + kWorkspaceAlign - 1) & ~uintptr_t(kWorkspaceAlign - 1)) - b;
+  }
+
   char* base_;
   size_t size_;
   std::chrono::steady_clock::time_point t0_ = std::chrono::steady_clock::now();

@@ -43,7 +43,7 @@ size_t dact_workspace_bytes(DType t, int64_t m, int64_t n, int64_t batch, BiasKi
 inline size_t gemm_workspace_bytes() { return kGemmWorkspaceBytes + kWorkspaceAlign; }
 
 // regemm_dgrad_dact's GEMM share where gZ has kLargeGemmElements or more
-// (1024 or more 128x128 tiles: eight waves on an H100, where no way needs to
+// (1024 or more 128x128 tiles, about eight waves on an H100, where no way needs to
 // split K or stream, the ways that want a large workspace): 8 MiB, or the
 // fused kernel's partial bias sums and 1 MiB where those are larger. Such a
 // call is the backward's first, with every residual of the forward live: the
@@ -70,7 +70,7 @@ inline size_t dgrad_dact_workspace_bytes(DType t, int64_t m, int64_t n, int64_t 
     gemm = std::min(gemm, std::max(kLargeGemmWorkspaceBytes, partials + (size_t(1) << 20)) + kWorkspaceAlign);
   }
   const size_t dact = dact_workspace_bytes(t, m, n, batch, kind);
-  return gemm > dact ? gemm : dact;
+  return std::max(gemm, dact);
 }
 
 }  // namespace regemm
