@@ -15,12 +15,14 @@ never a copy).
 from __future__ import annotations
 
 import math
+import os
 from functools import partial
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import Primitive
+from jax._src import core as _core
 from jax._src import dispatch
 from jax.interpreters import batching, mlir
 
@@ -81,21 +83,23 @@ _call_p = Primitive("regemm_call")
 _call_p.multiple_results = True
 
 
-def _call(target, results, *args, **attrs):
-    """Binds `target` on args; results: ShapeDtypeStructs; attrs: the FFI attributes."""
+def _call(target, results, *args, in_place=False, **attrs):
+    """Binds `target` on args; results: ShapeDtypeStructs; attrs: the FFI attributes; in_place:
+    the caller allows the first result over an operand (_in_place says which, if any)."""
     results = tuple((tuple(r.shape), np.dtype(r.dtype)) for r in results)
-    return _call_p.bind(*args, target=target, results=results, attrs=tuple(sorted(attrs.items())))
+    return _call_p.bind(*args, target=target, results=results, attrs=tuple(sorted(attrs.items())), in_place=in_place)
 
 
-def _call_abstract(*avals, target, results, attrs):
+def _call_abstract(*avals, target, results, attrs, in_place):
     return [ShapedArray(shape, dtype) for shape, dtype in results]
 
 
-def _call_batch(args, dims, *, target, results, attrs):
+def _call_batch(args, dims, *, target, results, attrs, in_place):
     size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
     args = [jnp.expand_dims(a, 0) if d is None else jnp.moveaxis(a, d, 0) for a, d in zip(args, dims)]
     results = tuple(((size,) + shape, dtype) for shape, dtype in results)
-    return _call_p.bind(*args, target=target, results=results, attrs=attrs), [0] * len(results)
+    out = _call_p.bind(*args, target=target, results=results, attrs=attrs, in_place=in_place)
+    return out, [0] * len(results)
 
 
 _WORKSPACE_DTYPES = ("float32", "float64", "bfloat16", "float16")
@@ -123,10 +127,10 @@ def _workspace_bytes(platform, target, avals_in, attrs):
     if target == GEMM_TARGET:
         return _regemm_cuda.gemm_workspace_bytes()
     if target == DGRAD_DACT_TARGET:
-        a, b = avals_in[:2]
+        a, b, s = avals_in[:3]  # (then the operand it follows, never read)
         m = a.shape[-1] if attrs["trans_a"] else a.shape[-2]
         n = b.shape[-2] if attrs["trans_b"] else b.shape[-1]
-        batch = math.prod(jnp.broadcast_shapes(*(x.shape[:-2] for x in avals_in)))
+        batch = math.prod(jnp.broadcast_shapes(*(x.shape[:-2] for x in (a, b, s))))
         size = lambda m, n, batch: _regemm_cuda.dgrad_dact_workspace_bytes(dtype, m, n, batch, attrs["bias_kind"])
         return _sized(target, size, m, n, batch)
     gy, s = avals_in
@@ -137,12 +141,47 @@ def _workspace_bytes(platform, target, avals_in, attrs):
     return _sized(target, size, gy.shape[-2], gy.shape[-1], batch)
 
 
+def _in_place(platform, target, avals_in, avals_out, attrs):
+    """Which operand the call writes its first result over, for the lowering to alias:
+    {operand: result}. regemm_dgrad_dact on CUDA writes gZ over S where a kernel runs it so (the
+    fused kernel, where the rule runs it: ffi/cuda/cutlass_registry.cu), saving one M x N buffer at
+    the backward's peak; asked only by a caller whose program reads S no more (else XLA copies S
+    for the call, or where S is a parameter of the program). REGEMM_IN_PLACE=0 turns it off
+    (read at lowering)."""
+    if platform != "cuda" or target != DGRAD_DACT_TARGET or _regemm_cuda is None or os.environ.get("REGEMM_IN_PLACE") == "0":
+        return {}
+    a, b, s = avals_in[:3]
+    gz = avals_out[0]
+    dtype = np.dtype(a.dtype).name
+    if dtype not in _WORKSPACE_DTYPES or s.shape != gz.shape or s.dtype != gz.dtype or not _core.is_constant_shape(gz.shape):
+        return {}
+    if a.shape[:-2] != gz.shape[:-2] or b.shape[:-2] != gz.shape[:-2]:
+        return {}  # a broadcast operand (stride 0): not as the kernel's TMA descriptors
+    m, n = gz.shape[-2:]
+    k = a.shape[-2] if attrs["trans_a"] else a.shape[-1]
+    if not isinstance(k, (int, np.integer)):
+        return {}
+    keys = ("act", "slope", "from_y", "bias_kind", "trans_a", "trans_b", "exact_f32")
+    ok = _regemm_cuda.dgrad_dact_in_place(dtype, m, n, k, math.prod(gz.shape[:-2]), *(attrs[x] for x in keys))
+    return {2: 0} if ok else {}
+
+
+def dgrad_dact_in_place(a, b, s, **attrs):
+    """Whether dgrad_dact(a, b, s) lowered for CUDA, asked to, writes gZ over S (_in_place): where
+    S has another reader the caller orders it first."""
+    m = a.shape[-1] if attrs["trans_a"] else a.shape[-2]
+    n = b.shape[-2] if attrs["trans_b"] else b.shape[-1]
+    gz = ShapedArray(_batch_shape((a, 2), (b, 2), (s, 2)) + (m, n), a.dtype)
+    return bool(_in_place("cuda", DGRAD_DACT_TARGET, [a, b, s], [gz], attrs))
+
+
 def _call_lowering(platform):
-    def lower(ctx, *args, target, results, attrs):
+    def lower(ctx, *args, target, results, attrs, in_place):
         attrs = dict(attrs)
         ws = _workspace_bytes(platform, target, ctx.avals_in, attrs)
+        aliases = _in_place(platform, target, ctx.avals_in, ctx.avals_out, attrs) if in_place else {}
         ctx = ctx.replace(avals_out=[*ctx.avals_out, ShapedArray((ws,), np.uint8)])
-        return jax.ffi.ffi_lowering(target)(ctx, *args, **attrs)[:-1]
+        return jax.ffi.ffi_lowering(target, operand_output_aliases=aliases or None)(ctx, *args, **attrs)[:-1]
 
     return lower
 
@@ -204,16 +243,19 @@ def dact(gy, s, *, act, slope, from_y, bias_kind, bias_len):
     return gz, (gbias if bias_kind != "none" else None)
 
 
-def dgrad_dact(a, b, s, *, act, slope, from_y, bias_kind, bias_len, alpha, trans_a, trans_b, exact_f32):
-    """(gZ, gBias or None) = the dgrad_dact target: gZ = (alpha op(A) op(B)) * act'(S)."""
+def dgrad_dact(a, b, s, after=None, *, act, slope, from_y, bias_kind, bias_len, alpha, trans_a, trans_b, exact_f32,
+               in_place=False):
+    """(gZ, gBias or None) = the dgrad_dact target: gZ = (alpha op(A) op(B)) * act'(S). in_place:
+    the program reads S no more after the call (gZ may be written over it, _in_place); after: a
+    value the call must follow, never read (the other reader of S, ordered first)."""
     m = a.shape[-1] if trans_a else a.shape[-2]
     n = b.shape[-2] if trans_b else b.shape[-1]
     batch = _batch_shape((a, 2), (b, 2), (s, 2))
     gz_t = jax.ShapeDtypeStruct(batch + (m, n), a.dtype)
     gb_t = jax.ShapeDtypeStruct(batch + (bias_len if bias_kind != "none" else 0,), a.dtype)
     gz, gbias = _call(
-        DGRAD_DACT_TARGET, (gz_t, gb_t), a, b, s, act=act, slope=np.float64(slope), from_y=bool(from_y),
-        bias_kind=bias_kind, alpha=np.float64(alpha), trans_a=bool(trans_a), trans_b=bool(trans_b),
-        exact_f32=bool(exact_f32),
+        DGRAD_DACT_TARGET, (gz_t, gb_t), a, b, s, *([] if after is None else [after]), act=act,
+        slope=np.float64(slope), from_y=bool(from_y), bias_kind=bias_kind, alpha=np.float64(alpha),
+        trans_a=bool(trans_a), trans_b=bool(trans_b), exact_f32=bool(exact_f32), in_place=bool(in_place),
     )  # fmt: skip
     return gz, (gbias if bias_kind != "none" else None)

@@ -35,6 +35,7 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax._src import api_util, dispatch
 from jax._src import core as _core
@@ -42,7 +43,7 @@ from jax._src.interpreters import partial_eval as pe
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from . import _partition, reference
+from . import _ffi, _partition, reference
 from ._args import Config
 
 
@@ -488,6 +489,7 @@ def _epilogue_primitive(name, ref, lower):
     p = _primitive(name, ref, lower)
 
     def pick(platform, *args, spec):
+        args = args[:3] if isinstance(spec, _DgradDactSpec) else args  # (not dgrad_dact's `after`)
         dtype = args[0].dtype
         if _on_xla("dact", platform, dtype):
             return ref
@@ -534,20 +536,27 @@ class _DgradDactSpec:
     trans_a: bool
     trans_b: bool
     exact_f32: bool
+    in_place: bool = False  # the program reads S no more: gZ may be written over it (_ffi._in_place)
+
+    def ffi_attrs(self):
+        """The attributes _ffi._in_place reads."""
+        d = self.dact
+        return dict(act=d.act, slope=np.float64(d.slope), from_y=d.from_y, bias_kind=d.bias_kind,
+                    trans_a=self.trans_a, trans_b=self.trans_b, exact_f32=self.exact_f32)  # fmt: skip
 
 
-def _dgrad_dact_ref(a, b, s, *, spec):
+def _dgrad_dact_ref(a, b, s, *after, spec):
     acc = reference._acc_dtype(a.dtype)
     gy = spec.alpha * jnp.matmul(_op(a, spec.trans_a), _op(b, spec.trans_b), precision=lax.Precision.HIGHEST
                                  if spec.exact_f32 else None, preferred_element_type=acc)  # fmt: skip
     return _dact_ref(gy.astype(a.dtype), s, spec=spec.dact)
 
 
-def _dgrad_dact_lower(a, b, s, *, spec):
+def _dgrad_dact_lower(a, b, s, *after, spec):
     d = spec.dact
     gz, gbias = _partition.dgrad_dact(
-        a, b, s, act=d.act, slope=d.slope, from_y=d.from_y, bias_kind=d.bias_kind, alpha=spec.alpha,
-        trans_a=spec.trans_a, trans_b=spec.trans_b, exact_f32=spec.exact_f32,
+        a, b, s, *after, act=d.act, slope=d.slope, from_y=d.from_y, bias_kind=d.bias_kind, alpha=spec.alpha,
+        trans_a=spec.trans_a, trans_b=spec.trans_b, exact_f32=spec.exact_f32, in_place=spec.in_place,
     )  # fmt: skip
     return [gz] if gbias is None else [gz, gbias]
 
@@ -555,9 +564,10 @@ def _dgrad_dact_lower(a, b, s, *, spec):
 _dgrad_dact_p = _epilogue_primitive("regemm_dgrad_dact", _dgrad_dact_ref, _dgrad_dact_lower)
 
 
-def dgrad_dact(spec: _DgradDactSpec, a, b, s):
-    """(gZ, gBias or None): gZ = (alpha op(a) op(b)) * act'(s)."""
-    outs = _dgrad_dact_p.bind(*_same_varying_axes([a, b, s]), spec=spec)
+def dgrad_dact(spec: _DgradDactSpec, a, b, s, after=None):
+    """(gZ, gBias or None): gZ = (alpha op(a) op(b)) * act'(s); after: a value the call follows
+    (never read; on one device only, _partition.dgrad_dact)."""
+    outs = _dgrad_dact_p.bind(*_same_varying_axes([a, b, s] + ([] if after is None else [after])), spec=spec)
     return (outs[0], outs[1] if len(outs) > 1 else None)
 
 
@@ -676,7 +686,18 @@ def _mlp_lin_transpose(cts, *args, spec):
         else:  # the dgrad GEMM and the layer below's backward epilogue, one call
             sb = _mlp_residual(below, kinds[l - 1], hb, wb, sb, bb)
             dspec = _DactSpec(below.act, below.slope, kinds[l - 1] == "y", "per_col" if want_b else "none", ())
-            gz, gb = dgrad_dact(_DgradDactSpec(dspec, cfg.alpha, False, not tb, cfg.exact_f32), gz, w, sb)
+            # gZ may be written over S (_ffi._in_place) where nothing reads S after the call: Z,
+            # or S recomputed here. Y of the layer below is this layer's input h, which its wgrad
+            # above read: then the call takes that wgrad as an operand it follows, a data
+            # dependence that orders the read first (else XLA copies S for the call). Only in
+            # programs of one device: partitioned, the dependence would be on the wgrad's
+            # all-reduce, which XLA overlaps with the backward.
+            ddspec = _DgradDactSpec(dspec, cfg.alpha, False, not tb, cfg.exact_f32, kinds[l - 1] != "y")
+            after = None
+            if not ddspec.in_place and out_dws[l] is not None and jax.device_count() == 1:
+                if jax.default_backend() == "gpu" and _ffi.dgrad_dact_in_place(gz, w, sb, **ddspec.ffi_attrs()):
+                    ddspec, after = dataclasses.replace(ddspec, in_place=True), out_dws[l]
+            gz, gb = dgrad_dact(ddspec, gz, w, sb, after)
     out = [None] * n_res + [out_dx]
     for cfg, dw, db in zip(spec.cfgs, out_dws, out_dbs):
         out.append(dw)

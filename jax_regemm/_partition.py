@@ -235,9 +235,14 @@ def gemm(a, b, bias, c, **attrs):
 # ---------------------------------------------------------------------------
 
 
+def _bias_len(kind, s):
+    """The bias gradient's length for S of this shape (a shard's, under a mesh)."""
+    return {"per_col": s.shape[-1], "per_row": s.shape[-2], "scalar": 1}.get(kind, 0)
+
+
 def _dact_local(attrs, gy, s):
     kind = attrs["bias_kind"]
-    bias_len = {"per_col": gy.shape[-1], "per_row": gy.shape[-2], "scalar": 1}.get(kind, 0)  # of this shard
+    bias_len = _bias_len(kind, gy)
     gz, gbias = _ffi.dact(gy, s, bias_len=bias_len, **_dact_ffi_attrs(attrs))
     return (gz, gbias) if attrs["bias_kind"] != "none" else gz
 
@@ -322,13 +327,13 @@ def dact(gy, s, **attrs):
 
 
 def _dgrad_dact_ffi_attrs(attrs):
-    keys = ("act", "slope", "from_y", "bias_kind", "alpha", "trans_a", "trans_b", "exact_f32")
+    keys = ("act", "slope", "from_y", "bias_kind", "alpha", "trans_a", "trans_b", "exact_f32", "in_place")
     return {k: attrs[k] for k in keys}
 
 
 def _dgrad_dact_local(attrs, a, b, s):
     kind = attrs["bias_kind"]
-    bias_len = {"per_col": s.shape[-1], "per_row": s.shape[-2], "scalar": 1}.get(kind, 0)  # of this shard
+    bias_len = _bias_len(kind, s)
     gz, gbias = _ffi.dgrad_dact(a, b, s, bias_len=bias_len, **_dgrad_dact_ffi_attrs(attrs))
     return (gz, gbias) if kind != "none" else gz
 
@@ -385,8 +390,11 @@ _dgrad_dact_cp.def_partition(
 )
 
 
-def dgrad_dact(a, b, s, **attrs):
-    """_ffi.dgrad_dact, partitioned over the mesh: (gZ, gBias or None)."""
+def dgrad_dact(a, b, s, after=None, **attrs):
+    """_ffi.dgrad_dact, partitioned over the mesh: (gZ, gBias or None). `after` (a value the call
+    follows, _ffi.dgrad_dact) only in programs of one device, which are not partitioned."""
+    if after is not None:
+        return _ffi.dgrad_dact(a, b, s, after, bias_len=_bias_len(attrs["bias_kind"], s), **_dgrad_dact_ffi_attrs(attrs))
     attrs = _Attrs(attrs, shapes=(tuple(a.shape), tuple(b.shape), tuple(s.shape)))
     out = _dgrad_dact_cp(attrs, a, b, s)
     return tuple(out) if attrs["bias_kind"] != "none" else (out, None)

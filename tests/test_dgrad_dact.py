@@ -2,6 +2,8 @@
 gZ = (alpha op(A) op(B)) * act'(S) and the bias gradient of gZ, for every
 activation, S = Z or Y, bias kinds, transposes and batch dims (broadcast by stride)."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -92,7 +94,7 @@ CUDA = _cuda_with("cutlass_sm90")
 gpu = pytest.mark.skipif(CUDA is None, reason="needs a Hopper GPU and the CUDA module's CUTLASS kernels")
 
 
-def _fused_case(rand, dtype, ta_shape_b, act, from_y, kind, batch=(), m=300, n=200, k=136):
+def _fused_case(rand, dtype, ta_shape_b, act, from_y, kind, batch=(), m=300, n=200, k=136, in_place=False, donate=()):
     tb = ta_shape_b
     a = rand.normal(batch + (m, k), dtype)
     b = rand.normal(batch + ((n, k) if tb else (k, n)), dtype, scale=1 / np.sqrt(k))
@@ -100,7 +102,8 @@ def _fused_case(rand, dtype, ta_shape_b, act, from_y, kind, batch=(), m=300, n=2
     s, gz_ref, gb_ref = _np_case(a, b, z, act=act, from_y=from_y, kind=kind, alpha=1.0, ta=False, tb=tb, dtype=dtype)
     f = jax.jit(lambda a, b, s: _ffi.dgrad_dact(a, b, s, act=act, slope=0.01, from_y=from_y, bias_kind=kind,
                                                 bias_len=n if kind == "per_col" else 0, alpha=1.0, trans_a=False,
-                                                trans_b=tb, exact_f32=False))  # fmt: skip
+                                                trans_b=tb, exact_f32=False, in_place=in_place),
+                donate_argnums=donate)  # fmt: skip
     return f, (a, b, jnp.asarray(s, dtype)), gz_ref, gb_ref
 
 
@@ -183,6 +186,55 @@ def test_fused_kernel_large_gz_workspace(rand, monkeypatch):
     assert CUDA.cutlass_dgrad_bias_sums() == s0 + 1
     assert_rel(gz, gz_ref, jnp.float32, None, "gZ")
     assert_rel(gb, gb_ref, jnp.float32, None, "gBias")
+
+
+def _in_place_calls(f, args):
+    """(dgrad_dact calls whose gZ aliases S, copies of an array of S's shape) in f's compiled HLO."""
+    text = f.lower(*args).compile().as_text()
+    calls = [line for line in text.splitlines() if "regemm_dgrad_dact_v1" in line and "custom-call(" in line]
+    shape = ",".join(map(str, args[2].shape))
+    copies = re.findall(rf"\[{shape}\]\{{[^}}]*\}} copy\(", text)
+    return sum("output_to_operand_aliasing={{0}: (2" in line for line in calls), len(copies)
+
+
+@gpu
+@pytest.mark.parametrize("dtype,act,from_y,kind,batch", [
+    (jnp.bfloat16, "gelu", False, "per_col", ()), (jnp.float32, "relu", True, "per_col", (2,)),
+    (jnp.float16, "silu", False, "none", ())])  # fmt: skip
+def test_fused_kernel_in_place(rand, dtype, act, from_y, kind, batch):
+    """Asked to (in_place=True, as rg.mlp's backward asks where nothing reads S after the call),
+    a call the rule runs fused (K <= 2048) writes gZ over S: the compiled call aliases them, and
+    gZ and the bias gradient match float64 NumPy (partial tiles in M and N). S donated: no copy;
+    not donated: XLA copies it first, and the caller's S is intact."""
+    f, args, gz_ref, gb_ref = _fused_case(rand, dtype, True, act, from_y, kind, batch=batch, in_place=True)
+    s_before = np.asarray(args[2], np.float32)
+    assert _in_place_calls(f, args) == (1, 1)
+    n0 = CUDA.cutlass_dgrad_dact_launches()
+    gz, gb = jax.block_until_ready(f(*args))
+    assert CUDA.cutlass_dgrad_dact_launches() == n0 + 1
+    np.testing.assert_array_equal(np.asarray(args[2], np.float32), s_before)
+    assert_rel(gz, gz_ref, dtype, None, f"gZ {act}")
+    if kind != "none":
+        assert_rel(gb, gb_ref, dtype, None, f"gBias {act}")
+    f2, args2, gz_ref2, gb_ref2 = _fused_case(rand, dtype, True, act, from_y, kind, batch=batch, in_place=True,
+                                              donate=2)  # fmt: skip
+    assert _in_place_calls(f2, args2) == (1, 0)
+    gz2, gb2 = jax.block_until_ready(f2(*args2))
+    assert_rel(gz2, gz_ref2, dtype, None, f"gZ {act} donated")
+    if kind != "none":
+        assert_rel(gb2, gb_ref2, dtype, None, f"gBias {act} donated")
+
+
+@gpu
+def test_in_place_declined_past_the_fused_rule(rand):
+    """At K > 2048 the rule runs the composed way (its GEMM writes gZ before S is read), so the
+    call does not alias gZ to S even when asked; gZ still matches float64 NumPy."""
+    f, args, gz_ref, gb_ref = _fused_case(rand, jnp.bfloat16, True, "gelu", False, "per_col", m=136, n=72, k=2056,
+                                          in_place=True)  # fmt: skip
+    assert _in_place_calls(f, args)[0] == 0
+    gz, gb = f(*args)
+    assert_rel(gz, gz_ref, jnp.bfloat16, None, "gZ")
+    assert_rel(gb, gb_ref, jnp.bfloat16, None, "gBias")
 
 
 # ---------------------------------------------------------------------------

@@ -104,6 +104,55 @@ def test_mlp_backward_folds_act_grad_into_dgrad(save):
     assert _custom_calls(grad_x, x) == want
 
 
+def _cuda_module():
+    if jax.default_backend() != "gpu":
+        return None
+    try:
+        from jax_regemm import _regemm_cuda
+    except ImportError:
+        return None
+    return _regemm_cuda
+
+
+@pytest.mark.skipif(_cuda_module() is None, reason="needs a GPU and the CUDA module")
+@pytest.mark.parametrize("act,dtype", [("relu", jnp.float32), ("gelu", jnp.bfloat16), ("silu", jnp.float32)])
+def test_mlp_backward_writes_gz_over_s(monkeypatch, act, dtype):
+    """On one GPU the backward's dgrad_dact calls write gZ over S (Z of gelu and silu; Y of relu,
+    after the wgrad that reads it, an operand the call follows): each call aliases gZ to S, no
+    [M, N] copy is made for it, the step's compiled temporaries are at least one [M, N] buffer
+    below those of the same step with REGEMM_IN_PLACE=0, and the gradients are the same bits."""
+    import re
+
+    if act == "relu" and jax.device_count() > 1:
+        pytest.skip("Y is written over only in programs of one device (_ops._mlp_lin_transpose)")
+    m, d, layers = 2048, 512, 4
+    ws, bs = _block(jax.random.PRNGKey(10), [d] * (layers + 1), dtype)
+    x = jax.random.normal(jax.random.PRNGKey(11), (m, d), dtype)
+    loss = lambda x, ws, bs: jnp.sum(rg.mlp(x, ws, bs, act=act).astype(jnp.float32) ** 2)
+    monkeypatch.setenv("REGEMM_TUNE", "0")  # the rule's way (fused at K = 512) on both sides
+
+    def compiled(in_place):
+        monkeypatch.setenv("REGEMM_IN_PLACE", "1" if in_place else "0")
+        c = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(x, ws, bs).compile()
+        return c, c.as_text(), c.memory_analysis().temp_size_in_bytes
+
+    c_on, text, temp_on = compiled(True)
+    calls = [line for line in text.splitlines() if "regemm_dgrad_dact_v1" in line and "custom-call(" in line]
+    assert len(calls) == layers - 1 and all("output_to_operand_aliasing={{0}: (2" in line for line in calls), calls
+    assert not re.findall(rf"\[{m},{d}\]\{{[^}}]*\}} copy\(", text)
+    c_off, _, temp_off = compiled(False)
+    mn = m * d * jnp.dtype(dtype).itemsize
+    assert temp_on <= temp_off - mn, (temp_on, temp_off, mn)
+    g_on, g_off = c_on(x, ws, bs), c_off(x, ws, bs)
+    for a, b in zip(jax.tree.leaves(g_on), jax.tree.leaves(g_off)):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    f32 = jax.tree.map(lambda a: a.astype(jnp.float32), (x, ws, bs))
+    gr = jax.grad(lambda *a: jnp.sum(rg.reference.mlp(*a, act=act, precision=HI) ** 2), argnums=(0, 1, 2))(*f32)
+    bound = 5e-2 if dtype == jnp.bfloat16 else 1e-2  # four layers deep, at the default precision (TF32)
+    for a, b in zip(jax.tree.leaves(g_on), jax.tree.leaves(gr)):
+        assert _rel(a, b) < bound, _rel(a, b)
+
+
 def test_mlp_bf16_grads_deep():
     """Five bf16 layers: the folded backward's gradients against the f32 reference."""
     k = jax.random.split(jax.random.PRNGKey(7), 2)

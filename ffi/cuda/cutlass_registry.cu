@@ -101,7 +101,10 @@ bool supports_dgrad_dact(const DgradDactProblem& q) {
 ffi::Error run_fused(const DgradDactProblem& q, const DgradDactOperands& o, CudaRuntime& rt) {
   const DeviceInfo* dev = sm90_device();
   const DgradOperands ok{o.a, o.b, o.s, o.gz};
-  if (!dev || !can_launch_dgrad_dact(ok)) return dgrad_then_dact(q, o, rt);  // a buffer not 16-byte aligned
+  if (!dev || !can_launch_dgrad_dact(ok)) {  // a buffer not 16-byte aligned
+    if (o.gz == o.s) return ffi::Error::InvalidArgument("regemm: dgrad_dact in place needs 16-byte aligned buffers");
+    return dgrad_then_dact(q, o, rt);
+  }
   bool summed = false;
   void* gbias = q.dact.bias_kind == BiasKind::kPerCol ? o.gbias : nullptr;
   if (q.gemm.m * q.gemm.n > 0)
@@ -137,13 +140,19 @@ ffi::Error run_dgrad_dact_variant(const DgradDactProblem& q, const DgradDactOper
   return run_fused(q, o, rt);
 }
 
+// In place (gZ over S) where the rule runs the fused way: each CTA reads its
+// tile of S into shared memory before it stores that tile of gZ, and no two
+// CTAs share a tile. The composed and DGELU ways cannot: their GEMM writes gZ
+// before S is read.
+bool fused_in_place(const DgradDactProblem& q) { return fused_by_rule(q); }
+
 std::string dgrad_dact_rule_way(const DgradDactProblem& q, const DgradDactOperands&, CudaRuntime&) {
   return fused_by_rule(q) ? std::string(kName) + "/fused" : kComposedDgradWay;
 }
 
 const Register<DgradDactProblem, DgradDactOperands, CudaRuntime> kRegisterDgradDact(
     {kName, kPriority, supports_dgrad_dact, run_dgrad_dact_entry, dgrad_dact_variants, run_dgrad_dact_variant,
-     dgrad_dact_rule_way});
+     dgrad_dact_rule_way, fused_in_place});
 
 }  // namespace
 }  // namespace regemm::cutlass_sm90

@@ -63,6 +63,13 @@ NB_MODULE(_regemm_cuda, m) {
           if (!regemm::parse_bias_kind(kind, &b)) throw nb::value_error(("regemm: unknown bias kind " + kind).c_str());
           return regemm::dgrad_dact_workspace_bytes(dtype(t), m, n, batch, b);
         });
+  // Whether a dgrad_dact call runs with gZ over S (handlers.h), by its dims and attributes.
+  m.def("dgrad_dact_in_place",
+        [dtype](const std::string& t, int64_t m, int64_t n, int64_t k, int64_t batch, const std::string& act,
+                double slope, bool from_y, const std::string& bias_kind, bool trans_a, bool trans_b, bool exact_f32) {
+          return regemm::dgrad_dact_in_place<CudaRuntime>(dtype(t), m, n, k, batch, act, slope, from_y, bias_kind,
+                                                          trans_a, trans_b, exact_f32);
+        });
   m.def("dact_workspace_bytes", [dtype](const std::string& t, int64_t m, int64_t n, int64_t batch, const std::string& kind) {
     regemm::BiasKind k;
     if (!regemm::parse_bias_kind(kind, &k)) throw nb::value_error(("regemm: unknown bias kind " + kind).c_str());

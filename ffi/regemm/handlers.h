@@ -13,6 +13,7 @@
 // built from it and the context.
 #pragma once
 
+#include <optional>
 #include <string>
 #include <string_view>
 
@@ -259,7 +260,9 @@ constexpr auto dact_binding() {
 // DgradDactRegistry runs it whole where one supports it (the CUDA module's
 // CUTLASS GEMM with the act' in its epilogue); otherwise `dgrad_then_dact`:
 // the GEMM writes gZ's buffer and the dact kernel rewrites it in place (both
-// kernels' loops allow gY == gZ), so nothing else is allocated.
+// kernels' loops allow gY == gZ), so nothing else is allocated. Where the
+// lowering aliased gZ to S (dgrad_dact_in_place), the call runs the entry that
+// can write gZ over S, untimed.
 
 // The GEMM's operands with S in Z's place: S is what cuBLASLt's DGELU reads as
 // its aux matrix, and the tuner keys a dgrad_dact winner by its alignment too.
@@ -293,7 +296,8 @@ ffi::Error bias_grad_from_gz(const DgradDactProblem& q, const DgradDactOperands&
 }
 
 template <class Runtime, class... Ctx>
-ffi::Error dgrad_dact_handler(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer s, ffi::Result<ffi::AnyBuffer> gz,
+ffi::Error dgrad_dact_handler(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer s,
+                              std::optional<ffi::AnyBuffer> /*after*/, ffi::Result<ffi::AnyBuffer> gz,
                               ffi::Result<ffi::AnyBuffer> gbias, ffi::Result<ffi::AnyBuffer> workspace,
                               std::string_view act, double slope, bool from_y, std::string_view bias_kind,
                               double alpha, bool trans_a, bool trans_b, bool exact_f32, Ctx... ctx) {
@@ -320,15 +324,39 @@ ffi::Error dgrad_dact_handler(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer
   d.stride_gy = p.m * p.n; d.stride_s = plan->stride[2];
 
   const DgradDactProblem q{p, d};
-  const auto* fused = DgradDactRegistry<Runtime>::get().select(q);
+  const bool in_place = s.untyped_data() == gz->untyped_data();
+  const auto& registry = DgradDactRegistry<Runtime>::get();
+  const auto* fused = in_place ? registry.select_in_place(q) : registry.select(q);
+  if (in_place && (!fused || d.stride_s != d.stride_gy))
+    return bad("gZ aliases S, and no kernel runs this problem in place (the lowering asks dgrad_dact_in_place)");
   Runtime rt(*workspace, ctx...);
   if (auto e = rt.start(); e.failure()) return e;
   return plan->for_each_outer([&](const int64_t* off) {
     DgradDactOperands o{at(a.untyped_data(), off[0], p.dtype), at(b.untyped_data(), off[1], p.dtype),
                         at(s.untyped_data(), off[2], p.dtype), at(gz->untyped_data(), off[3], p.dtype),
                         d.bias_kind == BiasKind::kNone ? nullptr : at(gbias->untyped_data(), off[4], p.dtype)};
+    if (in_place) return fused->run(q, o, rt);
     return fused ? rt.run(*fused, q, o) : dgrad_then_dact(q, o, rt);
   });
+}
+
+// Whether a dgrad_dact call of these dims runs with gZ over S, so that the
+// lowering aliases them (jax_regemm/_ffi.py): A, B and S with gZ's batch, and
+// an entry that runs the problem in place.
+template <class Runtime>
+bool dgrad_dact_in_place(DType t, int64_t m, int64_t n, int64_t k, int64_t batch, std::string_view act, double slope,
+                         bool from_y, std::string_view bias_kind, bool trans_a, bool trans_b, bool exact_f32) {
+  DgradDactProblem q;
+  GemmProblem& p = q.gemm;
+  DactProblem& d = q.dact;
+  if (dact_attrs(act, slope, from_y, bias_kind, &d).failure()) return false;
+  p.dtype = d.dtype = t;
+  p.m = d.m = m; p.n = d.n = n; p.k = k;
+  p.trans_a = trans_a; p.trans_b = trans_b; p.exact_f32 = exact_f32;
+  p.batch = d.batch = batch;
+  p.stride_a = m * k; p.stride_b = k * n;
+  d.stride_gy = d.stride_s = m * n;
+  return DgradDactRegistry<Runtime>::get().select_in_place(q) != nullptr;
 }
 
 template <class Runtime>
@@ -337,6 +365,9 @@ constexpr auto dgrad_dact_binding() {
                                .template Arg<ffi::AnyBuffer>()  // a
                                .template Arg<ffi::AnyBuffer>()  // b
                                .template Arg<ffi::AnyBuffer>()  // z or y of the layer below
+                               // Never read: a value the call must follow (the other reader of
+                               // an S that gZ is written over, jax_regemm/_ops.py).
+                               .template OptionalArg<ffi::AnyBuffer>()
                                .template Ret<ffi::AnyBuffer>()  // gz
                                .template Ret<ffi::AnyBuffer>()  // gbias (size 0 when no bias)
                                .template Ret<ffi::AnyBuffer>()  // workspace (bytes; see the top)

@@ -53,6 +53,11 @@ struct Kernel {
   Variants variants = nullptr;  // null: `run` is the only way (never timed)
   RunVariant run_variant = nullptr;
   RuleWay rule_way = nullptr;  // null: the first listed way
+  // Whether `run` may write the output over an operand of the problem
+  // (dgrad_dact: gZ over S, which the lowering then aliases, saving an M x N
+  // buffer); null: never. A call in place runs `run` untimed: the tuner's
+  // other ways may not (the composed way's GEMM would overwrite S first).
+  Supports in_place = nullptr;
 };
 
 template <class Problem, class Operands, class Runtime>
@@ -78,6 +83,14 @@ class Registry {
       if (forced && *forced && e.name == forced) return &e;
       if (!best || e.priority > best->priority) best = &e;
     }
+    return best;
+  }
+
+  // The best entry that runs the problem in place, or null.
+  const Entry* select_in_place(const Problem& p) const {
+    const Entry* best = nullptr;
+    for (const Entry& e : entries_)
+      if (e.in_place && e.supports(p) && e.in_place(p) && (!best || e.priority > best->priority)) best = &e;
     return best;
   }
 
