@@ -686,15 +686,20 @@ def _mlp_lin_transpose(cts, *args, spec):
         else:  # the dgrad GEMM and the layer below's backward epilogue, one call
             sb = _mlp_residual(below, kinds[l - 1], hb, wb, sb, bb)
             dspec = _DactSpec(below.act, below.slope, kinds[l - 1] == "y", "per_col" if want_b else "none", ())
-            # gZ may be written over S (_ffi._in_place) where nothing reads S after the call: Z,
-            # or S recomputed here. Y of the layer below is this layer's input h, which its wgrad
-            # above read: then the call takes that wgrad as an operand it follows, a data
-            # dependence that orders the read first (else XLA copies S for the call). Only in
-            # programs of one device: partitioned, the dependence would be on the wgrad's
+            # gZ is written over S (_ffi._in_place) where that lowers the step's peak: S is Y of
+            # the layer below (the first call of the backward holds every layer's Y, the
+            # cotangent and gZ: a buffer above the forward's peak) or recomputed here. Not over
+            # Z: the forward's peak, Z and Y of every layer, is above the backward's, and the
+            # fused kernel, the one way that runs in place, is slower than the composed way at
+            # some of them (bf16 gelu at K = 512). Y is this layer's input h, which its wgrad
+            # above reads: the call then takes that wgrad as an operand it follows, a data
+            # dependence that orders the read first (else XLA copies S for the call); only in
+            # programs of one device, as partitioned the dependence would be on the wgrad's
             # all-reduce, which XLA overlaps with the backward.
-            ddspec = _DgradDactSpec(dspec, cfg.alpha, False, not tb, cfg.exact_f32, kinds[l - 1] != "y")
             after = None
-            if not ddspec.in_place and out_dws[l] is not None and jax.device_count() == 1:
+            in_place = kinds[l - 1] == "recompute" or (kinds[l - 1] == "y" and out_dws[l] is None)
+            ddspec = _DgradDactSpec(dspec, cfg.alpha, False, not tb, cfg.exact_f32, in_place)
+            if kinds[l - 1] == "y" and out_dws[l] is not None and jax.device_count() == 1:
                 if jax.default_backend() == "gpu" and _ffi.dgrad_dact_in_place(gz, w, sb, **ddspec.ffi_attrs()):
                     ddspec, after = dataclasses.replace(ddspec, in_place=True), out_dws[l]
             gz, gb = dgrad_dact(ddspec, gz, w, sb, after)
