@@ -151,9 +151,10 @@ def test_mlp_backward_writes_gz_over_s(monkeypatch, act, save, dtype, aliased):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
     f32 = jax.tree.map(lambda a: a.astype(jnp.float32), (x, ws, bs))
     gr = jax.grad(lambda *a: jnp.sum(rg.reference.mlp(*a, act=act, precision=HI) ** 2), argnums=(0, 1, 2))(*f32)
-    bound = 5e-2 if dtype == jnp.bfloat16 else 1e-2  # four layers deep, at the default precision (TF32)
+    # Four layers deep at the default precision (bf16, TF32): relu's mask flips where Z rounds
+    # across 0 (f32 relu's gradient of x 1.7e-2 on the H100); an S overwritten early is O(1).
     for a, b in zip(jax.tree.leaves(g_on), jax.tree.leaves(gr)):
-        assert _rel(a, b) < bound, _rel(a, b)
+        assert _rel(a, b) < 5e-2, _rel(a, b)
 
 
 def test_mlp_bf16_grads_deep():
