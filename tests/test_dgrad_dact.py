@@ -70,6 +70,27 @@ def test_dgrad_dact_bias_kinds_transposes_batches(rand, kind, ta, tb):
         assert_rel(gb, gb_ref, dtype, jax.lax.Precision.HIGHEST, "gBias")
 
 
+def test_dgrad_dact_follows_an_operand_it_never_reads(rand):
+    """The optional operand a call must follow (rg.mlp's backward passes the wgrad that reads S
+    first): accepted by the handler on every platform, never read, the results unchanged."""
+    dtype = jnp.float32
+    m, n, k = 64, 48, 40
+    a, b, z = rand.normal((m, k), dtype), rand.normal((n, k), dtype), rand.normal((m, n), dtype)
+    after = rand.normal((k, 7), dtype)
+    s, gz_ref, gb_ref = _np_case(a, b, z, act="relu", from_y=True, kind="per_col", alpha=1.0, ta=False, tb=True,
+                                 dtype=dtype)  # fmt: skip
+    call = lambda a, b, s, *after: _ffi.dgrad_dact(a, b, s, *after, act="relu", slope=0.01, from_y=True,
+                                                   bias_kind="per_col", bias_len=n, alpha=1.0, trans_a=False,
+                                                   trans_b=True, exact_f32=True)  # fmt: skip
+    s = jnp.asarray(s, dtype)
+    gz, gb = jax.jit(call)(a, b, s, after)
+    assert_rel(gz, gz_ref, dtype, jax.lax.Precision.HIGHEST, "gZ")
+    assert_rel(gb, gb_ref, dtype, jax.lax.Precision.HIGHEST, "gBias")
+    gz0, gb0 = jax.jit(call)(a, b, s)
+    np.testing.assert_array_equal(np.asarray(gz), np.asarray(gz0))
+    np.testing.assert_array_equal(np.asarray(gb), np.asarray(gb0))
+
+
 # ---------------------------------------------------------------------------
 # The GPU's fused kernel (CUTLASS sm90: the act' in the dgrad GEMM's epilogue, S
 # an aux load, the bias gradient's column sums per tile there too, added over
