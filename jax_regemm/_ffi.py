@@ -127,12 +127,9 @@ def _workspace_bytes(platform, target, avals_in, attrs):
     if target == GEMM_TARGET:
         return _regemm_cuda.gemm_workspace_bytes()
     if target == DGRAD_DACT_TARGET:
-        a, b, s = avals_in[:3]  # (then the operand it follows, never read)
-        m = a.shape[-1] if attrs["trans_a"] else a.shape[-2]
-        n = b.shape[-2] if attrs["trans_b"] else b.shape[-1]
-        batch = math.prod(jnp.broadcast_shapes(*(x.shape[:-2] for x in (a, b, s))))
+        *batch, m, n = _gz_shape(*avals_in[:3], attrs["trans_a"], attrs["trans_b"])  # (not the operand it follows)
         size = lambda m, n, batch: _regemm_cuda.dgrad_dact_workspace_bytes(dtype, m, n, batch, attrs["bias_kind"])
-        return _sized(target, size, m, n, batch)
+        return _sized(target, size, m, n, math.prod(batch))
     gy, s = avals_in
     if attrs["bias_kind"] == "none":
         return 0  # the partial bias sums are the whole workspace
@@ -141,7 +138,7 @@ def _workspace_bytes(platform, target, avals_in, attrs):
     return _sized(target, size, gy.shape[-2], gy.shape[-1], batch)
 
 
-def _in_place(platform, target, avals_in, avals_out, attrs):
+def _in_place(platform, target, avals_in, attrs):
     """Which operand the call writes its first result over, for the lowering to alias:
     {operand: result}. regemm_dgrad_dact on CUDA writes gZ over S where a kernel runs it so (the
     fused kernel, where the rule runs it: ffi/cuda/cutlass_registry.cu), saving one M x N buffer at
@@ -151,35 +148,32 @@ def _in_place(platform, target, avals_in, avals_out, attrs):
     if platform != "cuda" or target != DGRAD_DACT_TARGET or _regemm_cuda is None or os.environ.get("REGEMM_IN_PLACE") == "0":
         return {}
     a, b, s = avals_in[:3]
-    gz = avals_out[0]
+    gz = _gz_shape(a, b, s, attrs["trans_a"], attrs["trans_b"])
     dtype = np.dtype(a.dtype).name
-    if dtype not in _WORKSPACE_DTYPES or s.shape != gz.shape or s.dtype != gz.dtype or not _core.is_constant_shape(gz.shape):
+    if dtype not in _WORKSPACE_DTYPES or s.shape != gz or s.dtype != a.dtype or not _core.is_constant_shape(gz):
         return {}
-    if a.shape[:-2] != gz.shape[:-2] or b.shape[:-2] != gz.shape[:-2]:
+    if a.shape[:-2] != gz[:-2] or b.shape[:-2] != gz[:-2]:
         return {}  # a broadcast operand (stride 0): not as the kernel's TMA descriptors
-    m, n = gz.shape[-2:]
+    *batch, m, n = gz
     k = a.shape[-2] if attrs["trans_a"] else a.shape[-1]
     if not isinstance(k, (int, np.integer)):
         return {}
     keys = ("act", "slope", "from_y", "bias_kind", "trans_a", "trans_b", "exact_f32")
-    ok = _regemm_cuda.dgrad_dact_in_place(dtype, m, n, k, math.prod(gz.shape[:-2]), *(attrs[x] for x in keys))
+    ok = _regemm_cuda.dgrad_dact_in_place(dtype, m, n, k, math.prod(batch), *(attrs[x] for x in keys))
     return {2: 0} if ok else {}
 
 
 def dgrad_dact_in_place(a, b, s, **attrs):
     """Whether dgrad_dact(a, b, s) lowered for CUDA, asked to, writes gZ over S (_in_place): where
     S has another reader the caller orders it first."""
-    m = a.shape[-1] if attrs["trans_a"] else a.shape[-2]
-    n = b.shape[-2] if attrs["trans_b"] else b.shape[-1]
-    gz = ShapedArray(_batch_shape((a, 2), (b, 2), (s, 2)) + (m, n), a.dtype)
-    return bool(_in_place("cuda", DGRAD_DACT_TARGET, [a, b, s], [gz], attrs))
+    return bool(_in_place("cuda", DGRAD_DACT_TARGET, [a, b, s], attrs))
 
 
 def _call_lowering(platform):
     def lower(ctx, *args, target, results, attrs, in_place):
         attrs = dict(attrs)
         ws = _workspace_bytes(platform, target, ctx.avals_in, attrs)
-        aliases = _in_place(platform, target, ctx.avals_in, ctx.avals_out, attrs) if in_place else {}
+        aliases = _in_place(platform, target, ctx.avals_in, attrs) if in_place else {}
         ctx = ctx.replace(avals_out=[*ctx.avals_out, ShapedArray((ws,), np.uint8)])
         return jax.ffi.ffi_lowering(target, operand_output_aliases=aliases or None)(ctx, *args, **attrs)[:-1]
 
@@ -195,6 +189,13 @@ mlir.register_lowering(_call_p, _call_lowering("cuda"), platform="cuda")
 
 def _batch_shape(*arrays_and_ranks):
     return jnp.broadcast_shapes(*(x.shape[: x.ndim - r] for x, r in arrays_and_ranks if x is not None))
+
+
+def _gz_shape(a, b, s, trans_a, trans_b):
+    """dgrad_dact's gZ: the batch of A, B and S, then op(A)'s rows and op(B)'s columns."""
+    m = a.shape[-1] if trans_a else a.shape[-2]
+    n = b.shape[-2] if trans_b else b.shape[-1]
+    return tuple(_batch_shape((a, 2), (b, 2), (s, 2))) + (m, n)
 
 
 def gemm(a, b, bias, c, *, act, slope, alpha, beta, trans_a, trans_b, bias_kind, store_z, exact_f32):
@@ -248,11 +249,9 @@ def dgrad_dact(a, b, s, after=None, *, act, slope, from_y, bias_kind, bias_len, 
     """(gZ, gBias or None) = the dgrad_dact target: gZ = (alpha op(A) op(B)) * act'(S). in_place:
     the program reads S no more after the call (gZ may be written over it, _in_place); after: a
     value the call must follow, never read (the other reader of S, ordered first)."""
-    m = a.shape[-1] if trans_a else a.shape[-2]
-    n = b.shape[-2] if trans_b else b.shape[-1]
-    batch = _batch_shape((a, 2), (b, 2), (s, 2))
-    gz_t = jax.ShapeDtypeStruct(batch + (m, n), a.dtype)
-    gb_t = jax.ShapeDtypeStruct(batch + (bias_len if bias_kind != "none" else 0,), a.dtype)
+    gz = _gz_shape(a, b, s, trans_a, trans_b)
+    gz_t = jax.ShapeDtypeStruct(gz, a.dtype)
+    gb_t = jax.ShapeDtypeStruct(gz[:-2] + (bias_len if bias_kind != "none" else 0,), a.dtype)
     gz, gbias = _call(
         DGRAD_DACT_TARGET, (gz_t, gb_t), a, b, s, *([] if after is None else [after]), act=act,
         slope=np.float64(slope), from_y=bool(from_y), bias_kind=bias_kind, alpha=np.float64(alpha),

@@ -280,6 +280,15 @@ def assert_tuner_kept(log: str, pick=lambda sig: True) -> dict:
     return out
 
 
+def dgrad_dact_in_place(hlo: str, shape) -> tuple:
+    """In compiled HLO text: (its regemm_dgrad_dact calls, whether each writes gZ over S, the
+    copies made of an array of `shape`)."""
+    calls = [line for line in hlo.splitlines() if "regemm_dgrad_dact_v1" in line and "custom-call(" in line]
+    aliased = [("output_to_operand_aliasing={{0}: (2" in line) for line in calls]
+    dims = ",".join(map(str, shape))
+    return calls, aliased, len(re.findall(rf"\[{dims}\]\{{[^}}]*\}} copy\(", hlo))
+
+
 def assert_same_op(got, want, dtype, what=""):
     """One op reached through two calls that differ in what else they compute
     (with and without the Z stash). The CPU runs one kernel for both: bit for

@@ -2,14 +2,12 @@
 gZ = (alpha op(A) op(B)) * act'(S) and the bias gradient of gZ, for every
 activation, S = Z or Y, bias kinds, transposes and batch dims (broadcast by stride)."""
 
-import re
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import ACTS, BIAS_KINDS, Y_ACTS, assert_rel, f64, np_act, np_act_grad
+from conftest import ACTS, BIAS_KINDS, Y_ACTS, assert_rel, dgrad_dact_in_place, f64, np_act, np_act_grad
 import jax_regemm as rg
 from jax_regemm import _ffi
 
@@ -211,11 +209,8 @@ def test_fused_kernel_large_gz_workspace(rand, monkeypatch):
 
 def _in_place_calls(f, args):
     """(dgrad_dact calls whose gZ aliases S, copies of an array of S's shape) in f's compiled HLO."""
-    text = f.lower(*args).compile().as_text()
-    calls = [line for line in text.splitlines() if "regemm_dgrad_dact_v1" in line and "custom-call(" in line]
-    shape = ",".join(map(str, args[2].shape))
-    copies = re.findall(rf"\[{shape}\]\{{[^}}]*\}} copy\(", text)
-    return sum("output_to_operand_aliasing={{0}: (2" in line for line in calls), len(copies)
+    _, aliased, copies = dgrad_dact_in_place(f.lower(*args).compile().as_text(), args[2].shape)
+    return sum(aliased), copies
 
 
 @gpu
