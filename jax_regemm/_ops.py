@@ -483,13 +483,14 @@ def _dact_lower(gy, s, *, spec):
     return [gz] if gbias is None else [gz, gbias]
 
 
-def _epilogue_primitive(name, ref, lower):
+def _epilogue_primitive(name, ref, lower, operands):
     """A backward-epilogue primitive: derivatives from its reference (needed past first order
-    only), vmap as one more leading batch dim (the kernels broadcast by stride)."""
+    only), vmap as one more leading batch dim (the kernels broadcast by stride). The first
+    `operands` arguments are the ones its kernels read (dgrad_dact's `after` is not)."""
     p = _primitive(name, ref, lower)
 
     def pick(platform, *args, spec):
-        args = args[:3] if isinstance(spec, _DgradDactSpec) else args  # (not dgrad_dact's `after`)
+        args = args[:operands]
         dtype = args[0].dtype
         if _on_xla("dact", platform, dtype):
             return ref
@@ -515,7 +516,7 @@ def _epilogue_primitive(name, ref, lower):
     return p
 
 
-_dact_p = _epilogue_primitive("regemm_dact", _dact_ref, _dact_lower)
+_dact_p = _epilogue_primitive("regemm_dact", _dact_ref, _dact_lower, operands=2)
 
 
 def dact(spec: _DactSpec, gy, s):
@@ -561,7 +562,7 @@ def _dgrad_dact_lower(a, b, s, *after, spec):
     return [gz] if gbias is None else [gz, gbias]
 
 
-_dgrad_dact_p = _epilogue_primitive("regemm_dgrad_dact", _dgrad_dact_ref, _dgrad_dact_lower)
+_dgrad_dact_p = _epilogue_primitive("regemm_dgrad_dact", _dgrad_dact_ref, _dgrad_dact_lower, operands=3)
 
 
 def dgrad_dact(spec: _DgradDactSpec, a, b, s, after=None):

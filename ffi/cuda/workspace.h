@@ -48,7 +48,8 @@ inline size_t gemm_workspace_bytes() { return kGemmWorkspaceBytes + kWorkspaceAl
 // fused kernel's partial bias sums and 1 MiB where those are larger. Such a
 // call is the backward's first, with every residual of the forward live: the
 // training step's peak. Compiled temporaries of relu steps (MiB; XLA's, then
-// ours with a share of 31 / 8 / 2 MiB): 32768x512x12 f32 832: 863 / 840 / 834,
+// ours with a share of 31 / 8 / 2 MiB and REGEMM_IN_PLACE=0; 832 in place at
+// 8 MiB): 32768x512x12 f32 832: 863 / 840 / 834,
 // bf16 448: 447 / 424 / 776 (at 6 MiB and below XLA's buffer assignment packs
 // that step far worse), 16384x2048x6 bf16 480: 487 / 464 / 456, f32 1056:
 // 927 / 896 / 896 (results/h100_train_memory_workspace_by_problem.md).
