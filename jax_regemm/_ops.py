@@ -430,8 +430,7 @@ def backward(cfg: Config, a, b, gy, s, from_y, gz_extra=None, need=(True, True, 
     if gz_extra is not None:  # the caller also differentiates through Z
         gz, gbias = gz + gz_extra, None
     if want_bias and gbias is None:
-        gbias = reference.bias_reduce(gz.astype(jnp.promote_types(gz.dtype, jnp.float32)), cfg.bias_kind)
-        gbias = gbias.astype(gz.dtype)
+        gbias = reference.bias_grad(gz, cfg.bias_kind)
 
     # op(A) [M,K], op(B) [K,N]: g op(A) = alpha gZ op(B)^T, g op(B) = alpha op(A)^T gZ,
     # mapped back through the transposes without materialising any of them.
@@ -668,7 +667,7 @@ def _mlp_lin_transpose(cts, *args, spec):
         cfg, (h, w, s, b) = spec.cfgs[l], layers[l]
         if undefined(dbs[l]):
             if gb is None:
-                gb = reference.bias_reduce(gz.astype(reference._acc_dtype(gz.dtype)), "per_col").astype(gz.dtype)
+                gb = reference.bias_grad(gz, "per_col")
             out_dbs[l] = jnp.reshape(gb, dbs[l].aval.shape)
         mm = partial(_mm_typed, alpha=cfg.alpha, exact_f32=cfg.exact_f32)
         tb = cfg.trans_b  # W stored [N, K]: op(W) = W^T

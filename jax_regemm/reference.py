@@ -131,6 +131,11 @@ def bias_reduce(gz, kind: str):
     raise ValueError(f"no bias gradient for bias kind {kind!r}")
 
 
+def bias_grad(gz, kind: str):
+    """The bias gradient of gZ: bias_reduce accumulated in f32 (f64 for f64), in gZ's dtype."""
+    return bias_reduce(gz.astype(_acc_dtype(gz.dtype)), kind).astype(gz.dtype)
+
+
 def gemm_bias_act(
     a,
     b,
@@ -171,7 +176,7 @@ def dact(gy, s, *, act: str, leaky_slope: float = 0.01, from_y: bool = False, bi
     sv = s.astype(acc)
     d = act_grad_from_y(act, sv, leaky_slope) if from_y else act_grad(act, sv, leaky_slope)
     gz = (gy.astype(acc) * d).astype(gy.dtype)
-    gbias = None if bias_kind == "none" else bias_reduce(gz.astype(acc), bias_kind).astype(gy.dtype)
+    gbias = None if bias_kind == "none" else bias_grad(gz, bias_kind)
     return gz, gbias
 
 
