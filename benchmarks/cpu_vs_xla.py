@@ -96,8 +96,8 @@ def main():
     ab = tuple(args.ab.split("=", 2)) if args.ab else None
     print(f"device: {jax.devices()[0]}  cpu: {platform.processor() or platform.machine()}  jax {jax.__version__}")
     extra = f" {ab[0]} ms | speed-up ({ab[0]}) |" if ab else ""
-    print("| M x K x N | dtype | act | mode | regemm ms | xla ms | speed-up (xla/regemm) | plain ms | speed-up (plain/regemm) |"
-          + extra)
+    print("| M x K x N | dtype | act | mode | regemm ms | xla ms | speed-up (xla/regemm) | plain ms "
+          "| speed-up (plain/regemm) |" + extra)
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |" + " --- | --- |" * bool(ab))
     records = []
     for shape in args.shapes.split(","):
@@ -119,14 +119,18 @@ def main():
                     to, tx, tp, *ta = paired_median_ms(fns, (x, w, b), args.repeats, args.block)
                     rec = dict(shape=shape, dtype=dtype, act=act, mode=mode, regemm_ms=to, xla_ms=tx, speedup=tx / to,
                                plain_ms=tp, plain_speedup=tp / to)
-                    line = f"| {shape} | {dtype} | {act} | {mode} | {to:.3f} | {tx:.3f} | {tx / to:.2f} | {tp:.3f} | {tp / to:.2f} |"
+                    line = (f"| {shape} | {dtype} | {act} | {mode} | {to:.3f} | {tx:.3f} | {tx / to:.2f} | {tp:.3f} "
+                            f"| {tp / to:.2f} |")
                     if ab:
                         rec[ab[0]] = dict(env=f"{ab[1]}={ab[2]}", ms=ta[0], speedup=tx / ta[0])
                         line += f" {ta[0]:.3f} | {tx / ta[0]:.2f} |"
                     print(line, flush=True)
                     records.append(rec)
-    for name, key in (("regemm", None), ("regemm against plain", "plain")) + (((ab[0], ab[0]),) if ab else ()):
-        sp = [r["speedup"] if key is None else r["plain_speedup"] if key == "plain" else r[key]["speedup"] for r in records]
+    summaries = [("regemm", lambda r: r["speedup"]), ("regemm against plain", lambda r: r["plain_speedup"])]
+    if ab:
+        summaries.append((ab[0], lambda r: r[ab[0]]["speedup"]))
+    for name, speedup in summaries:
+        sp = [speedup(r) for r in records]
         print(f"\n{name} speed-up: geo-mean {np.exp(np.mean(np.log(sp))):.2f}, min {min(sp):.2f}, max {max(sp):.2f}, "
               f"cells below 1.0: {sum(s < 1.0 for s in sp)} of {len(sp)}")
     if args.json:
