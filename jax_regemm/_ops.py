@@ -35,7 +35,6 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax._src import api_util, dispatch
 from jax._src import core as _core
@@ -539,10 +538,11 @@ class _DgradDactSpec:
     in_place: bool = False  # the program reads S no more: gZ may be written over it (_ffi._in_place)
 
     def ffi_attrs(self):
-        """The attributes _ffi._in_place reads."""
+        """The dgrad_dact target's attributes (_partition.dgrad_dact; _ffi's in-place query)."""
         d = self.dact
-        return dict(act=d.act, slope=np.float64(d.slope), from_y=d.from_y, bias_kind=d.bias_kind,
-                    trans_a=self.trans_a, trans_b=self.trans_b, exact_f32=self.exact_f32)  # fmt: skip
+        return dict(act=d.act, slope=d.slope, from_y=d.from_y, bias_kind=d.bias_kind, alpha=self.alpha,
+                    trans_a=self.trans_a, trans_b=self.trans_b, exact_f32=self.exact_f32,
+                    in_place=self.in_place)  # fmt: skip
 
 
 def _dgrad_dact_ref(a, b, s, *after, spec):
@@ -553,11 +553,7 @@ def _dgrad_dact_ref(a, b, s, *after, spec):
 
 
 def _dgrad_dact_lower(a, b, s, *after, spec):
-    d = spec.dact
-    gz, gbias = _partition.dgrad_dact(
-        a, b, s, *after, act=d.act, slope=d.slope, from_y=d.from_y, bias_kind=d.bias_kind, alpha=spec.alpha,
-        trans_a=spec.trans_a, trans_b=spec.trans_b, exact_f32=spec.exact_f32, in_place=spec.in_place,
-    )  # fmt: skip
+    gz, gbias = _partition.dgrad_dact(a, b, s, *after, **spec.ffi_attrs())
     return [gz] if gbias is None else [gz, gbias]
 
 
