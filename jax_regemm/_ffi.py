@@ -233,16 +233,15 @@ def gemm(a, b, bias, c, *, act, slope, alpha, beta, trans_a, trans_b, bias_kind,
     return y, (z if store_z else None)
 
 
-def dact(gy, s, *, act, slope, from_y, bias_kind, bias_len, make_gz=True):
-    """(gZ or None, gBias or None) = the dact target. make_gz=False (act none only): gZ, which
-    is gY, is left out (a [..., 0, 0] result) and the call only sums the bias gradient."""
+def dact(gy, s, *, act, slope, from_y, bias_kind, bias_len):
+    """(gZ, gBias or None) = the dact target."""
     batch = _batch_shape((gy, 2), (s, 2))
-    gz_t = jax.ShapeDtypeStruct(batch + (gy.shape[-2:] if make_gz else (0, 0)), gy.dtype)
+    gz_t = jax.ShapeDtypeStruct(batch + gy.shape[-2:], gy.dtype)
     gb_t = jax.ShapeDtypeStruct(batch + (bias_len if bias_kind != "none" else 0,), gy.dtype)
     gz, gbias = _call(
         DACT_TARGET, (gz_t, gb_t), gy, s, act=act, slope=np.float64(slope), from_y=bool(from_y), bias_kind=bias_kind
     )
-    return (gz if make_gz else None), (gbias if bias_kind != "none" else None)
+    return gz, (gbias if bias_kind != "none" else None)
 
 
 def dgrad_dact(a, b, s, after=None, *, act, slope, from_y, bias_kind, bias_len, alpha, trans_a, trans_b, exact_f32,

@@ -1,4 +1,4 @@
-"""The differentiable ops: JAX primitives around the FFI calls.
+"""The differentiable ops: three JAX primitives around the FFI calls.
 
 - `regemm_fused`: Y (, Z) = act(alpha op(A) op(B) + beta C + bias), the fused
   forward GEMM. A plain GEMM is the same op with act none.
@@ -11,9 +11,7 @@
   wgrad GEMMs, for only the cotangents asked for. So jvp, grad, and every
   mix of them (jacfwd, hessian, linearize) work, with one JVP rule.
 - `regemm_dact`: gZ = gY act'(S) with the bias gradient; its derivatives are
-  its reference's (needed past first order only). `regemm_bias_grad` is the
-  bias gradient alone (act none), `regemm_dgrad_dact` a dgrad GEMM with the
-  dact of the layer below (rg.mlp's backward), `regemm_mlp_lin` rg.mlp's JVP.
+  its reference's (needed past first order only).
 
 Each primitive has a plain-JAX reference (`_fused_ref`, `_lin_ref`,
 `_dact_ref`): the output types (shapes, shardings in types, shard_map's
@@ -94,23 +92,20 @@ def _primitive(name, ref, lower):
 # elements: there a call's host cost is most of an uncaptured program's time and XLA's own
 # GEMMs for few rows (split-K, Triton) run as fast or faster on the device; regemm's calls
 # lost by wall clock in 64 of 84 such layers, 0.73-0.96 of XLA's speed by shape (H100,
-# h100_small_layers.md). "bias_grad" is the bias gradient alone (act none): regemm's
-# read-only pass on the GPU (see _bias_grad_p), XLA's reduce on the CPU (the CPU kernel's
-# pass without gZ is a plain loop, kept for tests and A/B). On the
+# h100_small_layers.md). On the
 # CPU oneDNN's bf16 and f16 GEMMs are several times faster than XLA's, and in f32 the
 # layers measured the same either way (cpu_plain_gemm.md).
 _GPU_DTYPES = ("float32", "bfloat16", "float16")
 _ON_XLA = {
-    "cuda": {"gemm": _GPU_DTYPES + ("float64",), "dact": (), "bias_grad": (), "unaligned": _GPU_DTYPES,
-             "small": _GPU_DTYPES},
-    "cpu": {"gemm": (), "dact": (), "bias_grad": _GPU_DTYPES + ("float64",), "unaligned": (), "small": ()},
+    "cuda": {"gemm": _GPU_DTYPES + ("float64",), "dact": (), "unaligned": _GPU_DTYPES, "small": _GPU_DTYPES},
+    "cpu": {"gemm": (), "dact": (), "unaligned": (), "small": ()},
 }
 _SMALL_ROWS, _SMALL_ELEMENTS = 512, 2**21
 # Per op, the variable that overrides the table on every platform: "xla" or "regemm"
 # (A/B of a lowering choice, and tests of the kernels at odd and small sizes; read when a
 # program is lowered).
-_ON_XLA_VARIABLE = {"gemm": "REGEMM_PLAIN_GEMM", "dact": "REGEMM_DACT", "bias_grad": "REGEMM_BIAS_GRAD",
-                    "unaligned": "REGEMM_UNALIGNED", "small": "REGEMM_SMALL"}  # fmt: skip
+_ON_XLA_VARIABLE = {"gemm": "REGEMM_PLAIN_GEMM", "dact": "REGEMM_DACT", "unaligned": "REGEMM_UNALIGNED",
+                    "small": "REGEMM_SMALL"}  # fmt: skip
 
 
 def _on_xla(op, platform, dtype):
@@ -434,7 +429,7 @@ def backward(cfg: Config, a, b, gy, s, from_y, gz_extra=None, need=(True, True, 
     if gz_extra is not None:  # the caller also differentiates through Z
         gz, gbias = gz + gz_extra, None
     if want_bias and gbias is None:
-        gbias = bias_grad(gz, cfg.bias_kind)
+        gbias = reference.bias_grad(gz, cfg.bias_kind)
 
     # op(A) [M,K], op(B) [K,N]: g op(A) = alpha gZ op(B)^T, g op(B) = alpha op(A)^T gZ,
     # mapped back through the transposes without materialising any of them.
@@ -486,17 +481,16 @@ def _dact_lower(gy, s, *, spec):
     return [gz] if gbias is None else [gz, gbias]
 
 
-def _epilogue_primitive(name, ref, lower, operands, op="dact"):
+def _epilogue_primitive(name, ref, lower, operands):
     """A backward-epilogue primitive: derivatives from its reference (needed past first order
     only), vmap as one more leading batch dim (the kernels broadcast by stride). The first
-    `operands` arguments are the ones its kernels read (dgrad_dact's `after` is not); `op`
-    its row of _ON_XLA."""
+    `operands` arguments are the ones its kernels read (dgrad_dact's `after` is not)."""
     p = _primitive(name, ref, lower)
 
     def pick(platform, *args, spec):
         args = args[:operands]
         dtype = args[0].dtype
-        if _on_xla(op, platform, dtype):
+        if _on_xla("dact", platform, dtype):
             return ref
         rows = (x.shape[-1] for x in args)  # gY and S; or A, B and S
         # gZ has S's rows and columns (and gY's rows, or A's: a vmap may have batched them, not S)
@@ -527,24 +521,6 @@ def dact(spec: _DactSpec, gy, s):
     """(gZ, gBias or None)."""
     outs = _dact_p.bind(*_same_varying_axes([gy, s]), spec=spec)
     return (outs[0], outs[1] if len(outs) > 1 else None)
-
-
-# The bias gradient alone (act none: gZ is gY), spec = the bias kind. On the GPU it is the
-# dact call with gZ left out, a read-only pass: in the backward's program XLA emitted its
-# f32 sum of a bf16 gZ as a slow reduction (4096x1024 bf16: 33 us against 10 alone; its own
-# bf16 sum, 15 us, is 7x less accurate: benchmarks/results/h100_bias_grad_reduce.md).
-_bias_grad_p = _epilogue_primitive(
-    "regemm_bias_grad",
-    lambda gz, *, spec: [reference.bias_grad(gz, spec)],
-    lambda gz, *, spec: [_partition.bias_grad(gz, spec)],
-    operands=1,
-    op="bias_grad",
-)
-
-
-def bias_grad(gz, kind: str):
-    """reference.bias_grad(gz, kind) through the kernels where _ON_XLA says."""
-    return _bias_grad_p.bind(gz, spec=kind)[0]
 
 
 # ---------------------------------------------------------------------------
@@ -687,7 +663,7 @@ def _mlp_lin_transpose(cts, *args, spec):
         cfg, (h, w, s, b) = spec.cfgs[l], layers[l]
         if undefined(dbs[l]):
             if gb is None:
-                gb = bias_grad(gz, "per_col")
+                gb = reference.bias_grad(gz, "per_col")
             out_dbs[l] = jnp.reshape(gb, dbs[l].aval.shape)
         mm = partial(_mm_typed, alpha=cfg.alpha, exact_f32=cfg.exact_f32)
         tb = cfg.trans_b  # W stored [N, K]: op(W) = W^T

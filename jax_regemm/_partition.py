@@ -11,8 +11,7 @@ gathers its operands and runs the whole call. Each call here is wrapped in
   which must see the reduced Z. The output is sharded as the batch, M and N
   were; this is what XLA does for plain `act(x @ w + b)`.
 - dact: batch, M or N sharded -> local gZ; the bias gradient's local sums are
-  summed over the mesh axes of the dims the bias kind reduces. The same call
-  with gZ left out is the bias gradient alone (`bias_grad`).
+  summed over the mesh axes of the dims the bias kind reduces.
 
 On one device, and inside shard_map (every axis manual), the wrapper lowers
 the local function directly: nothing changes there. Operands and results use
@@ -241,20 +240,15 @@ def _bias_len(kind, s):
     return {"per_col": s.shape[-1], "per_row": s.shape[-2], "scalar": 1}.get(kind, 0)
 
 
-def _dact_call(attrs, gy, s):
-    """The local call: (gZ or None, gBias or None)."""
-    return _ffi.dact(gy, s, bias_len=_bias_len(attrs["bias_kind"], gy), **_dact_ffi_attrs(attrs))
-
-
-def _dact_results(attrs, gz, gbias):
-    """The call's results (values or their shardings) as custom_partitioning sees them: gZ
-    unless left out (make_gz), then gBias where there is a bias; a single one unwrapped."""
-    out = ([gz] if attrs["make_gz"] else []) + ([gbias] if attrs["bias_kind"] != "none" else [])
-    return out[0] if len(out) == 1 else tuple(out)
+def _dact_local(attrs, gy, s):
+    kind = attrs["bias_kind"]
+    bias_len = _bias_len(kind, gy)
+    gz, gbias = _ffi.dact(gy, s, bias_len=bias_len, **_dact_ffi_attrs(attrs))
+    return (gz, gbias) if attrs["bias_kind"] != "none" else gz
 
 
 def _dact_ffi_attrs(attrs):
-    return {k: attrs[k] for k in ("act", "slope", "from_y", "bias_kind", "make_gz")}
+    return {k: attrs[k] for k in ("act", "slope", "from_y", "bias_kind")}
 
 
 _BIAS_TAIL = {"per_col": ("n",), "per_row": ("m",), "scalar": ("s",)}
@@ -290,51 +284,37 @@ def _summed_bias_grad(out, gb_spec, reduce_axes):
     return gz, gbias
 
 
-def _dact_shardings(attrs, mesh, gz_spec, gb_spec):
-    return _dact_results(attrs, NamedSharding(mesh, gz_spec), None if gb_spec is None else NamedSharding(mesh, gb_spec))
-
-
 def _dact_partition(attrs, mesh, arg_infos, result_infos):
     arg_specs, gz_spec, gb_spec, reduce_axes = _dact_plan(attrs, mesh, arg_infos)
 
     def lower(gy, s):
-        out = _dact_call(attrs, gy, s)
-        return _dact_results(attrs, *_summed_bias_grad(out, gb_spec, reduce_axes))
+        return _summed_bias_grad(_dact_local(attrs, gy, s), gb_spec, reduce_axes)
 
-    outs = _dact_shardings(attrs, mesh, gz_spec, gb_spec)
+    outs = NamedSharding(mesh, gz_spec) if gb_spec is None else (NamedSharding(mesh, gz_spec), NamedSharding(mesh, gb_spec))
     return mesh, _no_context_mesh(lower), outs, tuple(NamedSharding(mesh, s) for s in arg_specs)
 
 
 def _dact_infer(attrs, mesh, arg_infos, result_infos):
     _, gz_spec, gb_spec, _ = _dact_plan(attrs, mesh, arg_infos)
-    return _dact_shardings(attrs, mesh, gz_spec, gb_spec)
+    return NamedSharding(mesh, gz_spec) if gb_spec is None else (NamedSharding(mesh, gz_spec), NamedSharding(mesh, gb_spec))
 
 
 def _dact_rule(attrs, mesh, value_types, result_types):
     shapes = attrs["shapes"]
     nb = len(shapes[0]) - 2
-    kind = attrs["bias_kind"]
-    outs = [("m", "n")] * attrs["make_gz"] + ([_BIAS_TAIL[kind]] if kind != "none" else [])
+    outs = [("m", "n")] + ([_BIAS_TAIL[attrs["bias_kind"]]] if attrs["bias_kind"] != "none" else [])
     return _sharding_rule_factors(shapes, nb, [("m", "n"), ("m", "n")], outs)
 
 
-_dact_cp = custom_partitioning(lambda attrs, gy, s: _dact_results(attrs, *_dact_call(attrs, gy, s)), static_argnums=(0,))
+_dact_cp = custom_partitioning(lambda attrs, gy, s: _dact_local(attrs, gy, s), static_argnums=(0,))
 _dact_cp.def_partition(partition=_dact_partition, infer_sharding_from_operands=_dact_infer, sharding_rule=_dact_rule)
 
 
-def dact(gy, s, make_gz=True, **attrs):
-    """_ffi.dact, partitioned over the mesh: (gZ or None, gBias or None)."""
-    attrs = _Attrs(attrs, make_gz=make_gz, shapes=(tuple(gy.shape), tuple(s.shape)))
+def dact(gy, s, **attrs):
+    """_ffi.dact, partitioned over the mesh: (gZ, gBias or None)."""
+    attrs = _Attrs(attrs, shapes=(tuple(gy.shape), tuple(s.shape)))
     out = _dact_cp(attrs, gy, s)
-    out = list(out) if isinstance(out, (tuple, list)) else [out]
-    gz = out.pop(0) if make_gz else None
-    return gz, (out.pop(0) if attrs["bias_kind"] != "none" else None)
-
-
-def bias_grad(gz, bias_kind):
-    """The bias gradient of gZ alone, partitioned over the mesh: the dact call with act none
-    and gZ (which is gY) left out, a read-only pass."""
-    return dact(gz, gz, make_gz=False, act="none", slope=0.0, from_y=False, bias_kind=bias_kind)[1]
+    return tuple(out) if attrs["bias_kind"] != "none" else (out, None)
 
 
 # ---------------------------------------------------------------------------
@@ -380,8 +360,7 @@ def _dgrad_dact_partition(attrs, mesh, arg_infos, result_infos):
                          trans_b=attrs["trans_b"], bias_kind="none", store_z=False, exact_f32=attrs["exact_f32"])  # fmt: skip
             partial_gy, _ = _ffi.gemm(a, b, None, None, **plain)
             gy = jax.lax.psum(partial_gy.astype(reference._acc_dtype(a.dtype)), k).astype(a.dtype)
-            dact_attrs = dict({x: attrs[x] for x in ("act", "slope", "from_y", "bias_kind")}, make_gz=True)
-            out = _dact_results(dact_attrs, *_dact_call(dact_attrs, gy, s))
+            out = _dact_local(_Attrs({x: attrs[x] for x in ("act", "slope", "from_y", "bias_kind")}), gy, s)
         else:
             out = _dgrad_dact_local(attrs, a, b, s)
         return _summed_bias_grad(out, gb_spec, reduce_axes)

@@ -13,21 +13,6 @@
 namespace regemm {
 namespace {
 
-// gZ left out (act none: gZ is gY): the bias gradient's sums straight from gY.
-template <class T>
-void sum_rows(const DactProblem& p, const T* gy, int64_t i0, int64_t i1, double* col, double* row_sums) {
-  for (int64_t i = i0; i < i1; ++i) {
-    const T* g = gy + i * p.n;
-    double r = 0.0;
-    for (int64_t j = 0; j < p.n; ++j) {
-      const double v = load<double>(g[j]);
-      if (col) col[j] += v;
-      r += v;
-    }
-    if (row_sums) row_sums[i - i0] = r;
-  }
-}
-
 template <class T>
 void dact(const DactProblem& p, const DactOperands& o, const CpuRuntime& rt) {
   const auto& kernels = elementwise();
@@ -39,15 +24,11 @@ void dact(const DactProblem& p, const DactOperands& o, const CpuRuntime& rt) {
   for (int64_t b = 0; b < p.batch; ++b) {
     const T* gy = static_cast<const T*>(o.gy) + b * p.stride_gy;
     const T* s = static_cast<const T*>(o.s) + b * p.stride_s;
-    T* gz = o.gz ? static_cast<T*>(o.gz) + b * p.m * p.n : nullptr;
+    T* gz = static_cast<T*>(o.gz) + b * p.m * p.n;
     std::vector<double> col(per_col ? chunks * p.n : 0, 0.0), row(by_row ? std::max<int64_t>(p.m, 1) : 0, 0.0);
     rt.parallel_for(chunks, [&](int64_t c) {
       const int64_t i0 = c * rows_per_chunk, i1 = std::min(p.m, i0 + rows_per_chunk);
-      double* col_sums = per_col ? &col[c * p.n] : nullptr;
-      double* row_sums = by_row ? &row[i0] : nullptr;
-      if (i0 >= i1) return;
-      if (gz) kernels.dact_rows(p, gy, s, gz, i0, i1, col_sums, row_sums);
-      else sum_rows(p, gy, i0, i1, col_sums, row_sums);
+      if (i0 < i1) kernels.dact_rows(p, gy, s, gz, i0, i1, per_col ? &col[c * p.n] : nullptr, by_row ? &row[i0] : nullptr);
     });
     if (p.bias_kind == BiasKind::kNone) continue;
     T* gbias = static_cast<T*>(o.gbias) + b * bias_length(p.bias_kind, p.m, p.n);

@@ -59,7 +59,7 @@ struct DactArgs {
   double slope;
   bool from_y;
   BiasKind kind;
-  bool write_gz;  // false with gZ left out (act none: gZ is gY): the pass only reduces the bias gradient
+  bool write_gz;  // false for act none in place (gZ is gY): the pass only reduces the bias gradient
 };
 
 // The tiling of an M x N output: rows per thread (halved from 16 while the
@@ -134,7 +134,7 @@ __global__ void __launch_bounds__(kThreads) dact_tiles_kernel(const DactArgs a) 
   for (int64_t b = blockIdx.z; b < a.batch; b += gridDim.z) {
     const T* gy = static_cast<const T*>(a.gy) + b * a.stride_gy;
     const T* s = static_cast<const T*>(a.s) + b * a.stride_s;
-    T* gz = a.write_gz ? static_cast<T*>(a.gz) + b * a.m * a.n : nullptr;
+    T* gz = static_cast<T*>(a.gz) + b * a.m * a.n;
     // Direct: the one partial of each bias element is its gradient, stored
     // in place of the partials (the layouts agree when there is one tile per
     // element), and the sum kernel is not launched.
@@ -149,8 +149,8 @@ __global__ void __launch_bounds__(kThreads) dact_tiles_kernel(const DactArgs a) 
     A colsum[V];
 #pragma unroll
     for (int v = 0; v < V; ++v) colsum[v] = A(0);
-    // Column sums alone (gZ left out, per-column bias: act none's bias gradient,
-    // and after a fused dgrad kernel): every row's load is issued before the first add. With one
+    // Column sums alone (act none in place, per-column bias: after cuBLASLt's
+    // DGELU matmul): every row's load is issued before the first add. With one
     // load per row the loop below leaves too few in flight (a read-only pass over
     // 8192 x 4096 bf16 took 47 us, 1.4 TB/s).
     const bool sums_only = kAct == Act::kNone && !a.write_gz && a.kind == BiasKind::kPerCol;
@@ -335,7 +335,7 @@ ffi::Error run_t(const DactProblem& p, const DactOperands& o, CudaRuntime& rt) {
   const TileShape ts = tile_shape(p.m, p.n, p.batch, tile_cols(sizeof(T), vec));
   DactArgs a{p.m, p.n, p.batch, p.stride_gy, p.stride_s, ts.tiles_m, ts.tiles_n, ts.rows, /*direct=*/false,
              bias_length(kind, p.m, p.n), o.gy, o.s, o.gz, o.gbias, /*partials=*/nullptr, p.slope, p.from_y, kind,
-             /*write_gz=*/o.gz != nullptr};
+             /*write_gz=*/!(p.act == Act::kNone && o.gz == o.gy && p.stride_gy == p.m * p.n)};
   a.direct = kind != BiasKind::kNone && a.len > 0 && partials_per_batch(kind, a.m, a.n, a.tiles_m, a.tiles_n) == a.len;
   const int64_t tiles = a.tiles_m * a.tiles_n;
   if (tiles > int64_t(0x7fffffff)) return bad("gY too large for the backward-epilogue grid");

@@ -194,10 +194,9 @@ inline ffi::Error dact_attrs(std::string_view act, double slope, bool from_y, st
 }
 
 inline ffi::Error check_dact_operands(const DactProblem& d, int64_t nb, const ffi::AnyBuffer& s,
-                                      const ffi::AnyBuffer& gz, const ffi::AnyBuffer& gbias, bool gz_left_out = false) {
+                                      const ffi::AnyBuffer& gz, const ffi::AnyBuffer& gbias) {
   if (auto e = check_operand("Z/Y", s, nb, d.dtype, {d.m, d.n}); e.failure()) return e;
-  if (auto e = check_operand("gZ", gz, nb, d.dtype, {gz_left_out ? 0 : d.m, gz_left_out ? 0 : d.n}); e.failure())
-    return e;
+  if (auto e = check_operand("gZ", gz, nb, d.dtype, {d.m, d.n}); e.failure()) return e;
   if (d.bias_kind == BiasKind::kNone) return ffi::Error::Success();
   return check_operand("gBias", gbias, nb, d.dtype, {bias_length(d.bias_kind, d.m, d.n)});
 }
@@ -215,14 +214,11 @@ ffi::Error dact_handler(ffi::AnyBuffer gy, ffi::AnyBuffer s, ffi::Result<ffi::An
   if (nb < 0) return bad("gY must have rank >= 2, got shape " + shape_str(gd));
   p.m = gd[nb]; p.n = gd[nb + 1];
   const int64_t len = bias_length(p.bias_kind, p.m, p.n);
-  // gZ of shape [batch..., 0, 0] with act none: the bias gradient alone (gZ is gY; nothing writes it).
-  const auto zd = gz->dimensions();
-  const bool gz_left_out = p.act == Act::kNone && zd.size() == gd.size() && zd[nb] == 0 && zd[nb + 1] == 0;
-  if (auto e = check_dact_operands(p, nb, s, *gz, *gbias, gz_left_out); e.failure()) return e;
-  ffi::Span<const int64_t> batch_dims(zd.begin(), nb);
+  if (auto e = check_dact_operands(p, nb, s, *gz, *gbias); e.failure()) return e;
+  ffi::Span<const int64_t> batch_dims(gz->dimensions().begin(), nb);
   auto plan = plan_batch(batch_dims, {{gd, p.m * p.n},
                                       {s.dimensions(), p.m * p.n},
-                                      {zd, gz_left_out ? 0 : p.m * p.n},
+                                      {gz->dimensions(), p.m * p.n},
                                       {gbias->dimensions(), len}});
   if (plan.has_error()) return plan.error();
   if (plan->count == 0 || (p.m * p.n == 0 && len == 0)) return ffi::Error::Success();
@@ -234,9 +230,8 @@ ffi::Error dact_handler(ffi::AnyBuffer gy, ffi::AnyBuffer s, ffi::Result<ffi::An
   Runtime rt(*workspace, ctx...);
   if (auto e = rt.start(); e.failure()) return e;
   return plan->for_each_outer([&](const int64_t* off) {
-    // (a null gZ tells the kernels to leave it out: they only sum)
     DactOperands ops{at(gy.untyped_data(), off[0], p.dtype), at(s.untyped_data(), off[1], p.dtype),
-                     gz_left_out ? nullptr : at(gz->untyped_data(), off[2], p.dtype),
+                     at(gz->untyped_data(), off[2], p.dtype),
                      p.bias_kind == BiasKind::kNone ? nullptr : at(gbias->untyped_data(), off[3], p.dtype)};
     return rt.run(*kernel, p, ops);
   });
@@ -247,7 +242,7 @@ constexpr auto dact_binding() {
   return Runtime::bind_ctx(ffi::Ffi::Bind()
                                .template Arg<ffi::AnyBuffer>()  // gy
                                .template Arg<ffi::AnyBuffer>()  // z or y
-                               .template Ret<ffi::AnyBuffer>()  // gz ([..., 0, 0] with act none: not made)
+                               .template Ret<ffi::AnyBuffer>()  // gz
                                .template Ret<ffi::AnyBuffer>()  // gbias (size 0 when no bias)
                                .template Ret<ffi::AnyBuffer>()  // workspace (bytes; see the top)
                                .template Attr<std::string_view>("act")
@@ -297,7 +292,7 @@ ffi::Error bias_grad_from_gz(const DgradDactProblem& q, const DgradDactOperands&
   bias_only.act = Act::kNone;
   const auto* dact = DactRegistry<Runtime>::get().select(bias_only);
   if (!dact) return bad("no backward-epilogue kernel supports this problem");
-  return rt.run(*dact, bias_only, DactOperands{o.gz, o.gz, nullptr, o.gbias});
+  return rt.run(*dact, bias_only, DactOperands{o.gz, o.gz, o.gz, o.gbias});
 }
 
 template <class Runtime, class... Ctx>
@@ -373,7 +368,7 @@ constexpr auto dgrad_dact_binding() {
                                // Never read: a value the call must follow (the other reader of
                                // an S that gZ is written over, jax_regemm/_ops.py).
                                .template OptionalArg<ffi::AnyBuffer>()
-                               .template Ret<ffi::AnyBuffer>()  // gz ([..., 0, 0] with act none: not made)
+                               .template Ret<ffi::AnyBuffer>()  // gz
                                .template Ret<ffi::AnyBuffer>()  // gbias (size 0 when no bias)
                                .template Ret<ffi::AnyBuffer>()  // workspace (bytes; see the top)
                                .template Attr<std::string_view>("act")
