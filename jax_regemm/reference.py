@@ -143,16 +143,23 @@ def bias_grad(gz, kind: str):
     slower than XLA's own bf16 sum (the transpose of a bias broadcast); the two stages ran as
     fast as that one, and 3-5x more accurate (benchmarks/results/h100_bias_grad_reduce.md).
     On the CPU the two stages ran slower (one stage: 0.83-0.93 of the time), so it sums in one."""
-    acc, m = _acc_dtype(gz.dtype), gz.shape[-2]
-    one_stage = lambda g: bias_reduce(g.astype(acc), kind).astype(g.dtype)
-    if acc == gz.dtype or kind not in ("per_col", "scalar") or not isinstance(m, int) or m <= _STAGE_ROWS or m % _STAGE_ROWS:
+    one_stage = lambda g: bias_reduce(g.astype(_acc_dtype(g.dtype)), kind).astype(g.dtype)
+    if not _stageable(gz, kind):
         return one_stage(gz)
+    return lax.platform_dependent(gz, cuda=lambda g: _bias_grad_two_stages(g, kind), default=one_stage)
 
-    def two_stages(g):
-        blocks = g.reshape(*g.shape[:-2], m // _STAGE_ROWS, _STAGE_ROWS, g.shape[-1])
-        return bias_reduce(lax.optimization_barrier(jnp.sum(blocks.astype(acc), axis=-2)), kind).astype(g.dtype)
 
-    return lax.platform_dependent(gz, cuda=two_stages, default=one_stage)
+def _stageable(gz, kind):
+    m = gz.shape[-2]
+    return (_acc_dtype(gz.dtype) != gz.dtype and kind in ("per_col", "scalar") and isinstance(m, int)
+            and m > _STAGE_ROWS and m % _STAGE_ROWS == 0)  # fmt: skip
+
+
+def _bias_grad_two_stages(gz, kind):
+    """bias_grad's sum on the GPU where _stageable: f32 sums of blocks of rows, then theirs."""
+    blocks = gz.reshape(*gz.shape[:-2], gz.shape[-2] // _STAGE_ROWS, _STAGE_ROWS, gz.shape[-1])
+    partial_sums = lax.optimization_barrier(jnp.sum(blocks.astype(_acc_dtype(gz.dtype)), axis=-2))
+    return bias_reduce(partial_sums, kind).astype(gz.dtype)
 
 
 def gemm_bias_act(
