@@ -187,12 +187,13 @@ def test_check_grads_caller_batch(x64, rand, ba, bb, bc):
 # ---------------------------------------------------------------------------
 
 
+def _np_bias_sums(gz, kind):
+    """[..., M, N] -> [..., L]: the canonical bias gradient, batch dims kept."""
+    return {"per_col": lambda: gz.sum(-2), "per_row": lambda: gz.sum(-1), "scalar": lambda: gz.sum((-2, -1))[..., None]}[kind]()
+
+
 def _np_bias_grad(gz, kind, shape):
-    if kind == "scalar":
-        return gz.sum().reshape(shape)
-    if kind == "per_row":
-        return gz.sum(axis=-1).reshape(shape)
-    return gz.sum(axis=-2).reshape(shape)
+    return _np_bias_sums(gz, kind).reshape(shape)
 
 
 @pytest.mark.parametrize("bias", [v for v in BIAS_VARIANT_LABELS if v != "none"])
@@ -210,11 +211,6 @@ def test_bias_grad_every_kind(x64, rand, act, bias):
         assert g.shape == bv.shape and g.dtype == bv.dtype
         assert_rel(g, want, jnp.float64, what=f"vs reference save={save}")
         assert_rel(g, closed, jnp.float64, what=f"vs closed form save={save}")
-
-
-def _np_bias_sums(gz, kind):
-    """[..., M, N] -> [..., L]: the canonical bias gradient, batch dims kept."""
-    return {"per_col": lambda: gz.sum(-2), "per_row": lambda: gz.sum(-1), "scalar": lambda: gz.sum((-2, -1))[..., None]}[kind]()
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "f16", "f32"])
