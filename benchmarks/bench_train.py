@@ -18,6 +18,10 @@ REGEMM_VARIANT, ...; they are part of the tuner's signatures, so each side
 keeps its own picks). Every run of such a side is blocked on before the
 variable is restored, its wall-clock loops included (one block a loop).
 
+--dense adds side "dense": the plain MLP with each `nn.Dense` + activation
+swapped for `jax_regemm.flax.Dense` (a user's per-layer swap: each layer's
+backward on its own, without the block's fold across layers).
+
 --no-bias: every Dense layer without bias on both sides (the backward without
 the bias gradient: where the fused dgrad kernel pays, docs/performance.md).
 
@@ -57,7 +61,10 @@ from devtime import device_times_ms, named_jit
 
 ACT = {"gelu": lambda x: nn.gelu(x, approximate=True), "relu": nn.relu, "silu": nn.silu}
 # (batch rows, width, layers)
-SHAPES = {"quick": [(8192, 1024, 4), (32768, 512, 12)], "full": [(8192, 1024, 4), (32768, 512, 12), (4096, 4096, 4), (16384, 2048, 6)]}
+# "floor": the shapes of ../shared/baselines/xla_train_step_floor_h100_2026-11-25.txt.
+SHAPES = {"quick": [(8192, 1024, 4), (32768, 512, 12)],
+          "full": [(8192, 1024, 4), (32768, 512, 12), (4096, 4096, 4), (16384, 2048, 6)],
+          "floor": [(8192, 3072, 4), (4096, 2048, 8), (32768, 512, 12), (16384, 1024, 8)]}  # fmt: skip
 DTYPES = {"bf16": jnp.bfloat16, "f32": jnp.float32}
 
 
@@ -75,6 +82,25 @@ class PlainMLP(nn.Module):
             x = nn.Dense(self.width, use_bias=self.use_bias and not floor, dtype=self.dtype, param_dtype=self.dtype, name=f"Dense_{i}")(x)
             if i < self.layers - 1 and not floor:
                 x = ACT[self.act](x)
+        return x
+
+
+class DenseMLP(nn.Module):
+    """PlainMLP with each `nn.Dense` + activation swapped for `jax_regemm.flax.Dense`: a user's per-layer swap."""
+
+    width: int
+    layers: int
+    act: str
+    dtype: object
+    use_bias: bool = True
+
+    @nn.compact
+    def __call__(self, x):
+        from jax_regemm.flax import Dense
+
+        for i in range(self.layers):
+            act = self.act if i < self.layers - 1 else "none"
+            x = Dense(self.width, activation=act, use_bias=self.use_bias, dtype=self.dtype, param_dtype=self.dtype, name=f"Dense_{i}")(x)
         return x
 
 
@@ -182,7 +208,8 @@ def run(shapes, acts, dtypes, repeats, ab, use_bias=True, devices=1, donate=Fals
                          "xla": (plain, params, "", ""),
                          "regemm": (ours_mlp(width, layers, act, dtype, use_bias), params, "", "")}  # fmt: skip
                 for name, var, value in ab:
-                    sides[name] = (sides["regemm"][0], params, var, value)
+                    model = DenseMLP(width, layers, act, dtype, use_bias) if name == "dense" else sides["regemm"][0]
+                    sides[name] = (model, params, var, value)
                 steps, cases, mem, coll = {}, {}, {}, {}
                 for side, (model, p, var, value) in sides.items():
                     st = (p, put(opt.init(p), P()))
@@ -232,10 +259,11 @@ def main():
     ap.add_argument("--label", default="")
     ap.add_argument("--no-bias", action="store_true", help="Dense layers without bias on both sides (the floor has none anyway)")
     ap.add_argument("--ab", action="append", default=[], help="NAME=VAR=VALUE: ours with VAR=VALUE (lowered and run), as side NAME")
+    ap.add_argument("--dense", action="store_true", help="adds side 'dense': each layer a jax_regemm.flax.Dense (no cross-layer fold)")
     ap.add_argument("--devices", type=int, default=1, help="data-parallel over this many devices (the batch sharded)")
     ap.add_argument("--donate", action="store_true", help="the wall-clock loops donate params and optimizer state")
     args = ap.parse_args()
-    ab = [tuple(a.split("=", 2)) for a in args.ab]
+    ab = [("dense", "", "")] * args.dense + [tuple(a.split("=", 2)) for a in args.ab]
     records = run(SHAPES[args.grid], args.acts.split(","), args.dtypes.split(","), args.repeats, ab, not args.no_bias,
                   args.devices, args.donate)  # fmt: skip
     geo = float(np.exp(np.mean([np.log(r["speedup"]) for r in records])))

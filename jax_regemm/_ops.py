@@ -135,14 +135,27 @@ def _small_on_xla(platform, dtype, *shapes):
     return rows <= _SMALL_ROWS or rows * shapes[-1][-1] <= _SMALL_ELEMENTS
 
 
-def _lower_per_platform(p, pick):
-    """p's lowering on each platform of _ON_XLA: that of the function
-    pick(platform, *operands, **params) returns for the call (its reference or the FFI call)."""
-    for platform in _ON_XLA:
-        def lower(*args, _platform=platform, **params):
-            return pick(_platform, *args, **params)(*args, **params)
+def _lowering(pick, platform):
+    """The lowering rule of the function pick(platform, *operands, **params) returns for the
+    call (an op's reference or its FFI call)."""
 
-        mlir.register_lowering(p, mlir.lower_fun(lower, multiple_results=True), platform=platform)
+    def lower(*args, **params):
+        return pick(platform, *args, **params)(*args, **params)
+
+    return mlir.lower_fun(lower, multiple_results=True)
+
+
+def _lower_per_platform(p, pick, rule=None):
+    """p's lowering on each platform of _ON_XLA: _lowering(pick, platform), or
+    rule(that lowering, platform, ctx, *operands, **params) where a rule reads its operands'
+    producers (lowered uncached: a cached lowering is an out-of-line function, whose
+    operands are its parameters)."""
+    for platform in _ON_XLA:
+        base = _lowering(pick, platform)
+        if rule is None:
+            mlir.register_lowering(p, base, platform=platform)
+        else:
+            mlir.register_lowering(p, partial(rule, base, platform), platform=platform, cacheable=False)
 
 
 def _precision(cfg):
@@ -232,7 +245,49 @@ def _pick_fused(platform, a, b, *rest, cfg):
     return _fused_lower
 
 
-_lower_per_platform(_fused_p, _pick_fused)
+# ---------------------------------------------------------------------------
+# The fold across layers written one op at a time
+# ---------------------------------------------------------------------------
+# Reverse mode through layers of their own (rg.dense; the Flax, nnx and Equinox Dense)
+# runs, per layer, the dgrad GEMM of the layer above (a plain GEMM, gY = alpha gZ op(W)),
+# then this layer's dact over gY: the GEMM writes gY and the dact pass reads it back.
+# rg.mlp makes the two one regemm_dgrad_dact call, as its transpose sees both layers. Here
+# the lowering finds the same pair: each plain 2-D GEMM lowered records its result with
+# its operands, and a dact whose gY is such a result (or a reshape of one: rg.dense
+# flattens leading dims) lowers as regemm_dgrad_dact of the GEMM's operands. The GEMM, its
+# result then unread, is dead code that XLA removes. In reverse mode a cotangent is read
+# only by the transpose of the op that made its primal, so gY is the dact's alone; were it
+# read elsewhere too (a hand-written backward), the GEMM would stay: the same results, one
+# GEMM more. The records live in the module's lowering context, one table per program.
+
+_GEMMS = "jax_regemm.plain_gemm_results"  # the table's key in ModuleContext.cached_primitive_lowerings
+
+
+def _gemm_results(ctx):
+    """{result value: ((A, B) values, (A, B) avals, Config)} of the plain GEMMs lowered so far."""
+    return ctx.module_context.cached_primitive_lowerings.setdefault(_GEMMS, {})
+
+
+def _fused_rule(base, platform, ctx, *args, cfg):
+    outs = base(ctx, *args, cfg=cfg)
+    a, b = ctx.avals_in[:2]
+    if plain(cfg) and a.ndim == 2 and b.ndim == 2 and cfg.out_sharding is None:
+        _gemm_results(ctx)[outs[0]] = (tuple(args[:2]), (a, b), cfg)
+    return outs
+
+
+def _gemm_of(ctx, value):
+    """The record of the plain GEMM whose result `value` is, through reshapes; else None."""
+    table = _gemm_results(ctx)
+    while value not in table:
+        op = value.owner
+        if not isinstance(op, mlir.ir.OpView) or op.operation.name != "stablehlo.reshape":
+            return None
+        value = op.operands[0]
+    return table[value]
+
+
+_lower_per_platform(_fused_p, _pick_fused, _fused_rule)
 
 
 def fused(cfg: Config, a, b, bias, c):
@@ -481,10 +536,11 @@ def _dact_lower(gy, s, *, spec):
     return [gz] if gbias is None else [gz, gbias]
 
 
-def _epilogue_primitive(name, ref, lower, operands):
+def _epilogue_primitive(name, ref, lower, operands, rule=None):
     """A backward-epilogue primitive: derivatives from its reference (needed past first order
     only), vmap as one more leading batch dim (the kernels broadcast by stride). The first
-    `operands` arguments are the ones its kernels read (dgrad_dact's `after` is not)."""
+    `operands` arguments are the ones its kernels read (dgrad_dact's `after` is not).
+    Returns the primitive and its lowering choice, pick(platform, *operands, spec=)."""
     p = _primitive(name, ref, lower)
 
     def pick(platform, *args, spec):
@@ -498,7 +554,7 @@ def _epilogue_primitive(name, ref, lower, operands):
             return ref
         return lower
 
-    _lower_per_platform(p, pick)
+    _lower_per_platform(p, pick, rule)
 
     def jvp(primals, tangents, *, spec):
         tangents = [ad.instantiate_zeros(t) for t in tangents]
@@ -511,10 +567,24 @@ def _epilogue_primitive(name, ref, lower, operands):
 
     ad.primitive_jvps[p] = jvp
     batching.primitive_batchers[p] = batch
-    return p
+    return p, pick
 
 
-_dact_p = _epilogue_primitive("regemm_dact", _dact_ref, _dact_lower, operands=2)
+def _dact_rule(base, platform, ctx, gy, s, *, spec):
+    """regemm_dact's lowering: as regemm_dgrad_dact of the GEMM that made gY where one did (the
+    fold across layers, below), else `base`."""
+    found = _gemm_of(ctx, gy)
+    if found is not None:
+        (a, b), (a_aval, b_aval), cfg = found
+        avals = (a_aval, b_aval, ctx.avals_in[1])
+        ddspec = _DgradDactSpec(spec, cfg.alpha, cfg.trans_a, cfg.trans_b, cfg.exact_f32)
+        same = _out_shape(cfg, a_aval, b_aval) == ctx.avals_in[0].shape and a_aval.dtype == ctx.avals_in[0].dtype
+        if same and _dgrad_dact_pick(platform, *avals, spec=ddspec) is _dgrad_dact_lower:
+            return _lowering(_dgrad_dact_pick, platform)(ctx.replace(avals_in=avals), a, b, s, spec=ddspec)
+    return base(ctx, gy, s, spec=spec)
+
+
+_dact_p, _dact_pick = _epilogue_primitive("regemm_dact", _dact_ref, _dact_lower, operands=2, rule=_dact_rule)
 
 
 def dact(spec: _DactSpec, gy, s):
@@ -557,7 +627,7 @@ def _dgrad_dact_lower(a, b, s, *after, spec):
     return [gz] if gbias is None else [gz, gbias]
 
 
-_dgrad_dact_p = _epilogue_primitive("regemm_dgrad_dact", _dgrad_dact_ref, _dgrad_dact_lower, operands=3)
+_dgrad_dact_p, _dgrad_dact_pick = _epilogue_primitive("regemm_dgrad_dact", _dgrad_dact_ref, _dgrad_dact_lower, operands=3)
 
 
 def dgrad_dact(spec: _DgradDactSpec, a, b, s, after=None):

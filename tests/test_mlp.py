@@ -219,3 +219,105 @@ def test_mlp_modules_run_the_folded_backward():
     ge, gp = eqx.filter_grad(eloss)(em), eqx.filter_grad(eloss)(pm)
     for a, b in zip(jax.tree.leaves(ge), jax.tree.leaves(gp)):
         assert _rel(a, b) < t
+
+
+# ---------------------------------------------------------------------------
+# The same fold for layers written one op at a time (_ops: "The fold across layers")
+# ---------------------------------------------------------------------------
+
+
+def _compiled_calls(f, *args):
+    """The regemm calls XLA runs (compiled HLO: the folded-away GEMMs are gone)."""
+    hlo = jax.jit(f).lower(*args).compile().as_text()
+    return {t: hlo.count(f'custom_call_target="{t}"') for t in ("regemm_gemm_v1", "regemm_dact_v1", "regemm_dgrad_dact_v1")}
+
+
+@pytest.mark.parametrize("save", ["auto", "recompute"])
+@pytest.mark.parametrize("lead", [(40,), (4, 10)])
+def test_dense_layers_fold_act_grad_into_dgrad(save, lead):
+    """Three rg.dense layers (gelu, relu, none), differentiated: each hidden layer's act' and bias
+    gradient run in the dgrad GEMM of the layer above (one dgrad_dact call each, no dact pass, no
+    GEMM left for the folded dgrads), also where x has two leading dims (rg.dense's reshapes lie
+    between the GEMM and the dact), and the gradients match the reference."""
+    ws, bs = _block(jax.random.PRNGKey(12), [16, 24, 32, 8])
+    x = jax.random.normal(jax.random.PRNGKey(13), lead + (16,))
+    acts = ["gelu", "relu", "none"]
+
+    def loss(f):
+        def run(x, ws, bs):
+            for w, b, act in zip(ws, bs, acts):
+                x = f(x, w, b, act)
+            return jnp.sum(x**2)
+
+        return run
+
+    ours = loss(lambda x, w, b, act: rg.dense(x, w, b, act=act, save=save))
+    ref = loss(lambda x, w, b, act: rg.reference.gemm_bias_act(x, w, b, act=act, precision=HI))
+    fwd = 3 + 2 * (save == "recompute")  # recompute: each hidden layer's Z again
+    want = {"regemm_gemm_v1": fwd + 4 * PLAIN_GEMM_CALLS, "regemm_dact_v1": 0, "regemm_dgrad_dact_v1": 2}
+    grads = jax.grad(ours, argnums=(0, 1, 2))
+    assert _compiled_calls(grads, x, ws, bs) == want
+    from conftest import tol
+
+    for a, b in zip(jax.tree.leaves(jax.jit(grads)(x, ws, bs)), jax.tree.leaves(jax.grad(ref, argnums=(0, 1, 2))(x, ws, bs))):
+        assert _rel(a, b) < tol(jnp.float32), _rel(a, b)
+
+
+def test_dense_fold_keeps_a_gemm_read_elsewhere():
+    """A hand-written backward whose gY, a plain GEMM's result, is also returned: the dact still
+    folds (the GEMM runs on its own as well), and both results match float64 NumPy."""
+    k = jax.random.split(jax.random.PRNGKey(14), 5)
+    p, q = jax.random.normal(k[0], (24, 20)), jax.random.normal(k[1], (20, 32))
+    a, b = jax.random.normal(k[2], (24, 16)), jax.random.normal(k[3], (16, 32))
+    bias = jax.random.normal(k[4], (32,))
+
+    def f(p, q, a, b, bias):
+        gy = rg.gemm_bias_act(p, q, act="none", precision=HI)
+        _, z = rg.gemm_bias_act_fwd(a, b, bias, act="gelu", precision=HI, return_z=True)
+        ga, gb, gbias, _ = rg.gemm_bias_act_bwd(a, b, gy, z, bias, act="gelu", precision=HI)
+        return ga, gbias, gy
+
+    args = (p, q, a, b, bias)
+    calls = _compiled_calls(f, *args)
+    assert calls["regemm_dgrad_dact_v1"] == 1 and calls["regemm_dact_v1"] == 0, calls
+    ga, gbias, gy = jax.jit(f)(*args)
+    p, q, a, b, bias = (np.asarray(v, np.float64) for v in args)
+    gy64 = p @ q
+    z = a @ b + bias
+    t = np.tanh(np.sqrt(2 / np.pi) * (z + 0.044715 * z**3))
+    dgelu = 0.5 * (1 + t) + 0.5 * z * (1 - t**2) * np.sqrt(2 / np.pi) * (1 + 3 * 0.044715 * z**2)
+    gz = gy64 * dgelu
+    for got, want in ((gy, gy64), (ga, gz @ b.T), (gbias, gz.sum(0))):
+        assert _rel(got, want) < 1e-5, _rel(got, want)
+
+
+def test_flax_dense_layers_run_the_folded_backward():
+    """A user's per-layer swap (nn.Dense + activation -> jax_regemm.flax.Dense with it): the step's
+    backward folds each hidden layer's act' into the dgrad GEMM above, as rg.mlp's does, with
+    nn.Dense's gradients."""
+    flax_nn = pytest.importorskip("flax.linen")
+    import jax_regemm.flax as rflax
+    from conftest import tol
+
+    feats = [24, 32, 8]
+
+    class Net(flax_nn.Module):
+        ours: bool
+
+        @flax_nn.compact
+        def __call__(self, x):
+            for i, f in enumerate(feats):
+                act = "silu" if i < len(feats) - 1 else "none"
+                if self.ours:
+                    x = rflax.Dense(f, activation=act)(x)
+                else:
+                    x = flax_nn.Dense(f, precision=HI)(x)
+                    x = jax.nn.silu(x) if act == "silu" else x
+            return x
+
+    x = jax.random.normal(jax.random.PRNGKey(15), (12, 16))
+    params = Net(False).init(jax.random.PRNGKey(16), x)
+    grad = lambda ours: jax.grad(lambda p: jnp.sum(Net(ours).apply(p, x) ** 2))
+    assert _compiled_calls(grad(True), params)["regemm_dgrad_dact_v1"] == 2
+    for a, b in zip(jax.tree.leaves(jax.jit(grad(True))(params)), jax.tree.leaves(grad(False)(params))):
+        assert _rel(a, b) < tol(jnp.float32), _rel(a, b)
