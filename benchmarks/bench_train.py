@@ -19,8 +19,9 @@ keeps its own picks). Every run of such a side is blocked on before the
 variable is restored, its wall-clock loops included (one block a loop).
 
 --dense adds side "dense": the plain MLP with each `nn.Dense` + activation
-swapped for `jax_regemm.flax.Dense` (a user's per-layer swap: each layer's
-backward on its own, without the block's fold across layers).
+swapped for `jax_regemm.flax.Dense` (a user's per-layer swap; its backward
+folds across layers at lowering, _ops "The fold across layers"). An --ab side
+whose NAME starts with "dense" runs that model too.
 
 --no-bias: every Dense layer without bias on both sides (the backward without
 the bias gradient: where the fused dgrad kernel pays, docs/performance.md).
@@ -208,7 +209,7 @@ def run(shapes, acts, dtypes, repeats, ab, use_bias=True, devices=1, donate=Fals
                          "xla": (plain, params, "", ""),
                          "regemm": (ours_mlp(width, layers, act, dtype, use_bias), params, "", "")}  # fmt: skip
                 for name, var, value in ab:
-                    model = DenseMLP(width, layers, act, dtype, use_bias) if name == "dense" else sides["regemm"][0]
+                    model = DenseMLP(width, layers, act, dtype, use_bias) if name.startswith("dense") else sides["regemm"][0]
                     sides[name] = (model, params, var, value)
                 steps, cases, mem, coll = {}, {}, {}, {}
                 for side, (model, p, var, value) in sides.items():
