@@ -469,6 +469,15 @@ def matmul(x, y, *, trans_x, trans_y, alpha, exact_f32, out_sharding=None):
     return fused(cfg, x, y, None, None)
 
 
+def _one_buffer(g):
+    """g, written once: a layer's gZ where act is none is the cotangent itself, read by three ops
+    (the dgrad GEMM, or the dgrad_dact call of the layer below it folds into; the wgrad GEMM; the
+    bias reduction). Else XLA fuses g's producer (a loss's gradient) into each op that can take it
+    and writes a copy for each that cannot (steps of f32 Dense layers held one or two [M, N]
+    buffers more, and ran 1-3% slower: results/h100_train_floor_dense.md)."""
+    return lax.optimization_barrier(g)
+
+
 def backward(cfg: Config, a, b, gy, s, from_y, gz_extra=None, need=(True, True, True, True), types=(None, None)):
     """(gA, gB, gBias, gC) of `fused` given gY and S = Z (or Y when from_y); None where not `need`ed.
     types: gA's and gB's sharding types under a mesh of Explicit axes (a GEMM contracting a
@@ -477,7 +486,7 @@ def backward(cfg: Config, a, b, gy, s, from_y, gz_extra=None, need=(True, True, 
     has_bias = cfg.bias_kind != "none"
     want_bias = has_bias and need_bias
     if cfg.act == "none":  # act' = 1: no elementwise pass at all
-        gz, gbias = gy, None
+        gz, gbias = _one_buffer(gy), None
     else:
         spec = _DactSpec(cfg.act, cfg.slope, from_y, cfg.bias_kind if want_bias else "none", cfg.bias_shape[-1:])
         gz, gbias = dact(spec, gy, s)
@@ -719,12 +728,8 @@ def _mlp_lin_transpose(cts, *args, spec):
         return [None] * len(args)
     # gZ of the top layer: its own backward epilogue (a dact pass; none for act none)
     want_b = undefined(dbs[top])
-    if cfg.act == "none":
-        # g itself, read by three ops (the dgrad call below, the wgrad dot, the bias
-        # reduction): one buffer. Else XLA fuses g's producer (the loss's gradient)
-        # into each op that can take it and writes a copy for each that cannot (the
-        # f32 32768x512x12 step held three [M, N] buffers for g: 896 -> 864.5 MiB).
-        gz, gb = lax.optimization_barrier(g), None
+    if cfg.act == "none":  # g itself, one buffer (the f32 32768x512x12 step held three: 896 -> 864.5 MiB)
+        gz, gb = _one_buffer(g), None
     else:
         s = _mlp_residual(cfg, kinds[top], h, w, s, b)
         dspec = _DactSpec(cfg.act, cfg.slope, kinds[top] == "y", cfg.bias_kind if want_b else "none", cfg.bias_shape[-1:])
