@@ -321,3 +321,22 @@ def test_flax_dense_layers_run_the_folded_backward():
     assert _compiled_calls(grad(True), params)["regemm_dgrad_dact_v1"] == 2
     for a, b in zip(jax.tree.leaves(jax.jit(grad(True))(params)), jax.tree.leaves(grad(False)(params))):
         assert _rel(a, b) < tol(jnp.float32), _rel(a, b)
+
+
+def test_cotangent_of_a_layer_without_activation_is_one_buffer():
+    """A layer without activation passes its cotangent on as gZ to three readers: an optimization
+    barrier keeps it one buffer where the program makes it (a loss's gradient), and none is put on
+    a cotangent that is the program's input (a barrier on an entry parameter copies it)."""
+    k = jax.random.split(jax.random.PRNGKey(17), 4)
+    x, w = jax.random.normal(k[0], (64, 32)), jax.random.normal(k[1], (32, 48))
+    b, gy = jax.random.normal(k[2], (48,)), jax.random.normal(k[3], (64, 48))
+    made = jax.jit(jax.grad(lambda x, w, b: jnp.sum(rg.dense(x, w, b) ** 2), argnums=(0, 1, 2)))
+    given = jax.jit(lambda x, w, b, gy: jax.vjp(lambda *a: rg.dense(*a), x, w, b)[1](gy))
+    assert "optimization_barrier" in made.lower(x, w, b).as_text()
+    assert "optimization_barrier" not in given.lower(x, w, b, gy).as_text()
+    from conftest import tol
+
+    gx, gw, gb = given(x, w, b, gy)
+    x64, w64, gy64 = (np.asarray(v, np.float64) for v in (x, w, gy))
+    for got, want in ((gx, gy64 @ w64.T), (gw, x64.T @ gy64), (gb, gy64.sum(0))):
+        assert _rel(got, want) < tol(jnp.float32), _rel(got, want)
