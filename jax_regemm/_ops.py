@@ -11,7 +11,10 @@
   wgrad GEMMs, for only the cotangents asked for. So jvp, grad, and every
   mix of them (jacfwd, hessian, linearize) work, with one JVP rule.
 - `regemm_dact`: gZ = gY act'(S) with the bias gradient; its derivatives are
-  its reference's (needed past first order only).
+  its reference's (needed past first order only). Where gY is the result of a
+  plain GEMM lowered in the same program (the dgrad of the layer above, in a
+  stack of separate layers), it lowers as `regemm_dgrad_dact`, the GEMM with
+  this epilogue, as `rg.mlp`'s backward runs it.
 
 Each primitive has a plain-JAX reference (`_fused_ref`, `_lin_ref`,
 `_dact_ref`): the output types (shapes, shardings in types, shard_map's
@@ -599,7 +602,7 @@ def _epilogue_primitive(name, ref, lower, operands, rule=None):
 
 def _dact_rule(base, platform, ctx, gy, s, *, spec):
     """regemm_dact's lowering: as regemm_dgrad_dact of the GEMM that made gY where one did (the
-    fold across layers, below), else `base`."""
+    fold across layers written one op at a time, above), else `base`."""
     found = _gemm_of(ctx, gy)
     if found is not None:
         (a, b), (a_aval, b_aval), cfg = found
@@ -671,9 +674,9 @@ def dgrad_dact(spec: _DgradDactSpec, a, b, s, after=None):
 # over the whole stack (`regemm_mlp_lin`), so its transpose, the backward, sees
 # every layer: layer l's dgrad GEMM and layer l-1's backward epilogue are one
 # call (regemm_dgrad_dact: gZ_{l-1} = (gZ_l W_l^T) act'_{l-1}(S_{l-1}) and the
-# bias gradient), where layer-by-layer transposes run the GEMM and then a dact
-# pass over gY. Forward mode evaluates the primitive in plain JAX, as for
-# regemm_fused_lin.
+# bias gradient), as layer-by-layer transposes get it only at lowering (the fold
+# across layers written one op at a time, above). Forward mode evaluates the
+# primitive in plain JAX, as for regemm_fused_lin.
 
 
 @dataclasses.dataclass(frozen=True)
