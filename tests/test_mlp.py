@@ -340,3 +340,54 @@ def test_cotangent_of_a_layer_without_activation_is_one_buffer():
     x64, w64, gy64 = (np.asarray(v, np.float64) for v in (x, w, gy))
     for got, want in ((gx, gy64 @ w64.T), (gw, x64.T @ gy64), (gb, gy64.sum(0))):
         assert _rel(got, want) < tol(jnp.float32), _rel(got, want)
+
+
+def test_nnx_and_equinox_layers_run_the_folded_backward():
+    """Stacks of jax_regemm.nnx.Linear and jax_regemm.equinox.Linear (the latter per example under
+    jax.vmap) fold too: one dgrad_dact call per hidden layer, no dact pass, gradients as plain JAX."""
+    nnx = pytest.importorskip("flax.nnx")
+    eqx = pytest.importorskip("equinox")
+    import jax_regemm.equinox as reqx
+    import jax_regemm.nnx as rnnx
+    from conftest import tol
+
+    x = jax.random.normal(jax.random.PRNGKey(18), (12, 16))
+    acts = ["silu", "gelu", "none"]
+    dims = [16, 24, 32, 8]
+    ref_act = {"silu": jax.nn.silu, "gelu": lambda z: jax.nn.gelu(z, approximate=True), "none": lambda z: z}
+
+    # Equinox: weight [out, in], applied per example
+    ks = jax.random.split(jax.random.PRNGKey(19), 3)
+    layers = [reqx.Linear(k, n, activation=a, key=key) for k, n, a, key in zip(dims, dims[1:], acts, ks)]
+
+    def eqx_loss(layers, ours=True):
+        def one(xi):
+            for layer, a in zip(layers, acts):
+                xi = layer(xi) if ours else ref_act[a](jnp.dot(layer.weight, xi, precision=HI) + layer.bias)
+            return xi
+
+        return jnp.sum(jax.vmap(one)(x) ** 2)
+
+    grad = jax.grad(eqx_loss)
+    assert _compiled_calls(grad, layers)["regemm_dgrad_dact_v1"] == 2
+    assert _compiled_calls(grad, layers)["regemm_dact_v1"] == 0
+    got, want = jax.jit(grad)(layers), jax.grad(lambda ls: eqx_loss(ls, ours=False))(layers)
+    for a, b in zip(jax.tree.leaves(eqx.filter(got, eqx.is_array)), jax.tree.leaves(eqx.filter(want, eqx.is_array))):
+        assert _rel(a, b) < tol(jnp.float32), _rel(a, b)
+
+    # nnx: kernel [in, out]
+    rngs = nnx.Rngs(20)
+    model = [rnnx.Linear(k, n, activation=a, rngs=rngs) for k, n, a in zip(dims, dims[1:], acts)]
+    graphdef, state = nnx.split(model)
+
+    def nnx_loss(state, ours=True):
+        h = x
+        for layer, a in zip(nnx.merge(graphdef, state), acts):
+            h = layer(h) if ours else ref_act[a](jnp.dot(h, layer.kernel[...], precision=HI) + layer.bias[...])
+        return jnp.sum(h**2)
+
+    grad = jax.grad(nnx_loss)
+    assert _compiled_calls(grad, state)["regemm_dgrad_dact_v1"] == 2
+    got, want = jax.jit(grad)(state), jax.grad(lambda s: nnx_loss(s, ours=False))(state)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert _rel(a, b) < tol(jnp.float32), _rel(a, b)
