@@ -148,17 +148,25 @@ def _lowering(pick, platform):
     return mlir.lower_fun(lower, multiple_results=True)
 
 
+def _register_uncached(p, rule, platform=None):
+    """register_lowering for a rule that reads its operands' producers: uncached, as JAX lowers a
+    cacheable equation as an out-of-line function whose operands are its parameters. A JAX
+    without the `cacheable` argument lowers equations inline."""
+    try:
+        mlir.register_lowering(p, rule, platform=platform, cacheable=False)
+    except TypeError:
+        mlir.register_lowering(p, rule, platform=platform)
+
+
 def _lower_per_platform(p, pick, rule=None):
     """p's lowering on each platform of _ON_XLA: _lowering(pick, platform), or
-    rule(that lowering, platform, ctx, *operands, **params) where a rule reads its operands'
-    producers (lowered uncached: a cached lowering is an out-of-line function, whose
-    operands are its parameters)."""
+    rule(that lowering, platform, ctx, *operands, **params), which reads its operands' producers."""
     for platform in _ON_XLA:
         base = _lowering(pick, platform)
         if rule is None:
             mlir.register_lowering(p, base, platform=platform)
         else:
-            mlir.register_lowering(p, partial(rule, base, platform), platform=platform, cacheable=False)
+            _register_uncached(p, partial(rule, base, platform), platform)
 
 
 def _precision(cfg):
@@ -486,7 +494,7 @@ _one_buffer_p.def_impl(lambda g: g)
 _one_buffer_p.def_abstract_eval(lambda g: g)
 ad.deflinear(_one_buffer_p, lambda ct: [_one_buffer_p.bind(ct)])
 batching.defvectorized(_one_buffer_p)
-mlir.register_lowering(_one_buffer_p, _one_buffer_lower, cacheable=False)  # reads its operand's producer
+_register_uncached(_one_buffer_p, _one_buffer_lower)
 
 
 def _one_buffer(g):
