@@ -43,6 +43,7 @@ from jax._src import api_util, dispatch
 from jax._src import core as _core
 from jax._src.interpreters import partial_eval as pe
 from jax.extend.core import Primitive
+from jax.sharding import NamedSharding
 from jax.interpreters import ad, batching, mlir
 
 from . import _ffi, _partition, reference
@@ -465,10 +466,15 @@ batching.primitive_batchers[_lin_p] = _lin_batch
 
 
 def _explicit(aval):
-    """aval's sharding where its mesh has Explicit axes (the type to give a gradient), else None."""
+    """aval's sharding where shardings are types (its mesh, or the context mesh, has Explicit axes:
+    a weight made outside the mesh has an unsharded type there), the type to give its gradient;
+    else None. As jnp's own transposes type a gradient by its primal."""
+    explicit = lambda mesh: any("Explicit" in str(t) for t in getattr(mesh, "axis_types", ()))
     sharding = getattr(aval, "sharding", None)
-    types = getattr(getattr(sharding, "mesh", None), "axis_types", ())
-    return sharding if any("Explicit" in str(t) for t in types) else None
+    if sharding is None or explicit(getattr(sharding, "mesh", None)):
+        return sharding
+    context = getattr(jax.sharding, "get_abstract_mesh", lambda: None)()
+    return NamedSharding(context, sharding.spec) if explicit(context) else None
 
 
 def matmul(x, y, *, trans_x, trans_y, alpha, exact_f32, out_sharding=None):

@@ -176,6 +176,7 @@ LAYOUTS = {  # x, w1, b1, w2, b2
     "data": (P("data", None), P(), P(), P(), P()),
     "tensor": (P(), P(None, "model"), P("model"), P("model", None), P()),
     "both": (P("data", None), P(None, "model"), P("model"), P("model", None), P()),
+    "data_unplaced": (P("data", None), None, None, None, None),  # parameters made outside the mesh, not placed
 }
 out = {}
 for kind in ("auto", "explicit"):
@@ -183,7 +184,7 @@ for kind in ("auto", "explicit"):
     mesh = jax.make_mesh(MESH, ("data", "model"), axis_types=types)
     with jax.set_mesh(mesh):
         for name, specs in LAYOUTS.items():
-            args = [jax.device_put(v, NamedSharding(mesh, s)) for v, s in zip((x, w1, b1, w2, b2), specs)]
+            args = [v if s is None else jax.device_put(v, NamedSharding(mesh, s)) for v, s in zip((x, w1, b1, w2, b2), specs)]
             rec = {}
             for tag, f in (("ours", ours), ("block", block), ("plain", plain)):
                 try:
@@ -265,13 +266,14 @@ def sharded(request, tmp_path_factory):
 
 @pytest.mark.parametrize("op", ["ours", "block"])
 @pytest.mark.parametrize("mesh", ["auto", "explicit"])
-@pytest.mark.parametrize("layout", ["data", "tensor", "both"])
+@pytest.mark.parametrize("layout", ["data", "tensor", "both", "data_unplaced"])
 def test_sharded_mlp_as_plain_jnp(sharded, op, mesh, layout):
     """A two-layer MLP (column- then row-parallel for "tensor"), as two `dense` layers ("ours")
     and as `rg.mlp` ("block", whose backward folds the gelu' into the second layer's dgrad), and
     its training step's gradient: the output sharding (and sharding type), the gradients'
     shardings and the count of each collective in the compiled HLO equal plain jnp's; the
-    values agree."""
+    values agree. "data_unplaced": the parameters as made, outside the mesh (unsharded types under
+    Explicit axes: the gradients take their types as jnp's transposes give them)."""
     rec = sharded[f"{mesh}/{layout}"]
     ours, plain = rec[op], rec["plain"]
     if "error" in plain:  # Explicit axes with K sharded: jnp raises (no out_sharding given); so do we
