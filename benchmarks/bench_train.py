@@ -75,33 +75,21 @@ class PlainMLP(nn.Module):
     act: str  # "floor": no bias and no activation
     dtype: object
     use_bias: bool = True
-
-    @nn.compact
-    def __call__(self, x):
-        floor = self.act == "floor"
-        for i in range(self.layers):
-            x = nn.Dense(self.width, use_bias=self.use_bias and not floor, dtype=self.dtype, param_dtype=self.dtype, name=f"Dense_{i}")(x)
-            if i < self.layers - 1 and not floor:
-                x = ACT[self.act](x)
-        return x
-
-
-class DenseMLP(nn.Module):
-    """PlainMLP with each `nn.Dense` + activation swapped for `jax_regemm.flax.Dense`: a user's per-layer swap."""
-
-    width: int
-    layers: int
-    act: str
-    dtype: object
-    use_bias: bool = True
+    regemm_dense: bool = False  # each nn.Dense + activation as one jax_regemm.flax.Dense: a user's per-layer swap
 
     @nn.compact
     def __call__(self, x):
         from jax_regemm.flax import Dense
 
+        floor = self.act == "floor"
         for i in range(self.layers):
-            act = self.act if i < self.layers - 1 else "none"
-            x = Dense(self.width, activation=act, use_bias=self.use_bias, dtype=self.dtype, param_dtype=self.dtype, name=f"Dense_{i}")(x)
+            act = "none" if floor or i == self.layers - 1 else self.act
+            kw = dict(use_bias=self.use_bias and not floor, dtype=self.dtype, param_dtype=self.dtype, name=f"Dense_{i}")
+            if self.regemm_dense:
+                x = Dense(self.width, activation=act, **kw)(x)
+            else:
+                x = nn.Dense(self.width, **kw)(x)
+                x = x if act == "none" else ACT[act](x)
         return x
 
 
@@ -209,7 +197,7 @@ def run(shapes, acts, dtypes, repeats, ab, use_bias=True, devices=1, donate=Fals
                          "xla": (plain, params, "", ""),
                          "regemm": (ours_mlp(width, layers, act, dtype, use_bias), params, "", "")}  # fmt: skip
                 for name, var, value in ab:
-                    model = DenseMLP(width, layers, act, dtype, use_bias) if name.startswith("dense") else sides["regemm"][0]
+                    model = PlainMLP(width, layers, act, dtype, use_bias, True) if name.startswith("dense") else sides["regemm"][0]
                     sides[name] = (model, params, var, value)
                 steps, cases, mem, coll = {}, {}, {}, {}
                 for side, (model, p, var, value) in sides.items():
@@ -260,7 +248,7 @@ def main():
     ap.add_argument("--label", default="")
     ap.add_argument("--no-bias", action="store_true", help="Dense layers without bias on both sides (the floor has none anyway)")
     ap.add_argument("--ab", action="append", default=[], help="NAME=VAR=VALUE: ours with VAR=VALUE (lowered and run), as side NAME")
-    ap.add_argument("--dense", action="store_true", help="adds side 'dense': each layer a jax_regemm.flax.Dense (no cross-layer fold)")
+    ap.add_argument("--dense", action="store_true", help="adds side 'dense': each layer a jax_regemm.flax.Dense (a user's per-layer swap)")
     ap.add_argument("--devices", type=int, default=1, help="data-parallel over this many devices (the batch sharded)")
     ap.add_argument("--donate", action="store_true", help="the wall-clock loops donate params and optimizer state")
     args = ap.parse_args()

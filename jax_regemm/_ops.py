@@ -624,7 +624,7 @@ def _dact_rule(base, platform, ctx, gy, s, *, spec):
         ddspec = _DgradDactSpec(spec, cfg.alpha, cfg.trans_a, cfg.trans_b, cfg.exact_f32)
         same = _out_shape(cfg, a_aval, b_aval) == ctx.avals_in[0].shape and a_aval.dtype == ctx.avals_in[0].dtype
         if same and _dgrad_dact_pick(platform, *avals, spec=ddspec) is _dgrad_dact_lower:
-            return _lowering(_dgrad_dact_pick, platform)(ctx.replace(avals_in=avals), a, b, s, spec=ddspec)
+            return mlir.lower_fun(_dgrad_dact_lower, multiple_results=True)(ctx.replace(avals_in=avals), a, b, s, spec=ddspec)
     return base(ctx, gy, s, spec=spec)
 
 
