@@ -117,24 +117,41 @@ def _cuda_module():
     return _regemm_cuda
 
 
+def _stack(per_layer, act, save):
+    """The block of the in-place tests as rg.mlp, or as rg.dense layers (the fold at lowering)."""
+    if not per_layer:
+        return lambda x, ws, bs: rg.mlp(x, ws, bs, act=act, save=save)
+
+    def run(x, ws, bs):
+        for i, (w, b) in enumerate(zip(ws, bs)):
+            x = rg.dense(x, w, b, act=act if i < len(ws) - 1 else "none", save=save)
+        return x
+
+    return run
+
+
 @pytest.mark.skipif(_cuda_module() is None, reason="needs a GPU and the CUDA module")
-@pytest.mark.parametrize("act,save,dtype,aliased", [("relu", "auto", jnp.float32, True),
-                                                    ("gelu", "recompute", jnp.bfloat16, True),
-                                                    ("silu", "auto", jnp.float32, False)])  # fmt: skip
-def test_mlp_backward_writes_gz_over_s(monkeypatch, act, save, dtype, aliased):
+@pytest.mark.parametrize("act,save,dtype,per_layer,aliased", [("relu", "auto", jnp.float32, False, True),
+                                                              ("gelu", "recompute", jnp.bfloat16, False, True),
+                                                              ("silu", "auto", jnp.float32, False, False),
+                                                              ("relu", "auto", jnp.float32, True, True),
+                                                              ("silu", "auto", jnp.float32, True, False)])  # fmt: skip
+def test_mlp_backward_writes_gz_over_s(monkeypatch, act, save, dtype, per_layer, aliased):
     """On one GPU the backward's dgrad_dact calls write gZ over S where S is Y (relu: after the
-    wgrad that reads Y, an operand the call follows) or recomputed, not over a stashed Z: each
-    call aliases gZ to S or none does, no [M, N] copy is made, the gradients are the same bits as
-    with REGEMM_IN_PLACE=0 and match the reference, and the relu step's compiled temporaries are
-    below those with REGEMM_IN_PLACE=0 (2^24-element layers: the backward's first call is the peak)."""
+    wgrad that reads Y, an operand the call follows) or recomputed by rg.mlp, not over a stashed
+    Z, in rg.mlp and in the calls the lowering folds for rg.dense layers: each call aliases gZ to S
+    or none does, no [M, N] copy is made, the gradients are the same bits as with
+    REGEMM_IN_PLACE=0 and match the reference, and the relu step's compiled temporaries are below
+    those with REGEMM_IN_PLACE=0 (2^24-element layers: the backward's first call is the peak)."""
     from conftest import dgrad_dact_in_place
 
     if act == "relu" and jax.device_count() > 1:
-        pytest.skip("Y is written over only in programs of one device (_ops._mlp_lin_transpose)")
+        pytest.skip("Y is written over only in programs of one device (_ops._mlp_lin_transpose, _ops._in_place_after)")
     m, d, layers = 32768, 512, 4
     ws, bs = _block(jax.random.PRNGKey(10), [d] * (layers + 1), dtype)
     x = jax.random.normal(jax.random.PRNGKey(11), (m, d), dtype)
-    loss = lambda x, ws, bs: jnp.sum(rg.mlp(x, ws, bs, act=act, save=save).astype(jnp.float32) ** 2)
+    block = _stack(per_layer, act, save)
+    loss = lambda x, ws, bs: jnp.sum(block(x, ws, bs).astype(jnp.float32) ** 2)
     monkeypatch.setenv("REGEMM_TUNE", "0")  # the rule's way (fused at K = 512) on both sides
 
     def compiled(in_place):
@@ -158,6 +175,44 @@ def test_mlp_backward_writes_gz_over_s(monkeypatch, act, save, dtype, aliased):
     # across 0 (f32 relu's gradient of x 1.7e-2 on the H100); an S overwritten early is O(1).
     for a, b in zip(jax.tree.leaves(g_on), jax.tree.leaves(gr)):
         assert _rel(a, b) < 5e-2, _rel(a, b)
+
+
+def test_dense_fold_writes_gz_over_y_where_the_call_can_follow_its_readers(monkeypatch):
+    """The decision of the fold's lowering for CUDA, where the kernel would write gZ over S (the
+    CUDA module's answer stubbed, so that it runs here): over Y of a relu layer, after the wgrad
+    that reads Y (one more operand); with only biases differentiated, no wgrad and no operand
+    more; never where another reader of Y comes first that the call cannot follow, nor over a
+    stashed Z (silu)."""
+    from jax_regemm import _ffi
+
+    def in_place(platform, target, avals, attrs):
+        return {2: 0} if platform == "cuda" and target == _ffi.DGRAD_DACT_TARGET else {}
+
+    monkeypatch.setattr(_ffi, "_in_place", in_place)
+    m, d, layers = 4096, 1024, 4  # past the small-op rule's bound, so the calls are regemm's
+    ws, bs = _block(jax.random.PRNGKey(21), [d] * (layers + 1))
+    x = jax.random.normal(jax.random.PRNGKey(22), (m, d))
+
+    def calls(f, act="relu"):
+        block = _stack(True, act, "auto")
+        lowered = jax.jit(f(block)).trace(ws, bs).lower(lowering_platforms=("cuda",)).as_text()
+        found = [line for line in lowered.splitlines() if "@regemm_dgrad_dact_v1(" in line]
+        assert len(found) == layers - 1, found
+        return [("output_operand_aliases" in line, line.split("(", 1)[1].split(")")[0].count("%")) for line in found]
+
+    loss = lambda block: lambda ws, bs: jnp.sum(block(x, ws, bs) ** 2)
+    assert calls(lambda block: jax.grad(loss(block), argnums=(0, 1))) == [(True, 4)] * (layers - 1)
+    assert calls(lambda block: jax.grad(loss(block), argnums=1)) == [(True, 3)] * (layers - 1)
+    assert calls(lambda block: jax.grad(loss(block), argnums=(0, 1)), act="silu") == [(False, 3)] * (layers - 1)
+
+    def read_first(block):  # a sum of layer 1's Y returned beside the loss: the call cannot follow it
+        def f(ws, bs):
+            y1 = rg.dense(rg.dense(x, ws[0], bs[0], act="relu"), ws[1], bs[1], act="relu")
+            return jnp.sum(block(y1, ws[2:], bs[2:]) ** 2), jnp.sum(jnp.tanh(y1))
+
+        return jax.grad(f, argnums=(0, 1), has_aux=True)
+
+    assert calls(read_first) == [(True, 4), (False, 3), (True, 4)]  # in order from the top: layer 1's is second
 
 
 def test_mlp_bf16_grads_deep():
