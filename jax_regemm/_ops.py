@@ -349,8 +349,8 @@ def _made_before(values, ops):
 
 
 def _in_place_after(platform, ctx, a, b, s, avals, ddspec):
-    """The values (with their avals) a folded dgrad_dact call writing gZ over S must follow, or
-    None where it does not write over S (the fold across layers, above)."""
+    """The values (with their avals; none or one) a folded dgrad_dact call writing gZ over S must
+    follow, or None where it does not write over S (the fold across layers, above)."""
     d = ddspec.dact
     if platform != "cuda" or not d.from_y or getattr(ctx.module_context.axis_context, "num_devices", 0) != 1:
         return None
@@ -367,7 +367,7 @@ def _in_place_after(platform, ctx, a, b, s, avals, ddspec):
         if gemm is None:
             return None  # a reader the call cannot follow: S stays
         after.append((gemm, table[gemm][3]))
-    return after
+    return after if len(after) <= 1 else None  # the call follows one value (its handler's optional operand)
 
 
 def _gemm_fed(table, op):
