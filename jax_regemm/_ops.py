@@ -161,7 +161,8 @@ def _register_uncached(p, rule, platform=None):
 
 def _lower_per_platform(p, pick, rule=None):
     """p's lowering on each platform of _ON_XLA: _lowering(pick, platform), or
-    rule(that lowering, platform, ctx, *operands, **params), which reads its operands' producers."""
+    rule(that lowering, platform, ctx, *operands, **params), which reads its operands' producers
+    or the program's devices."""
     for platform in _ON_XLA:
         base = _lowering(pick, platform)
         if rule is None:
@@ -348,11 +349,17 @@ def _made_before(values, ops):
     return found
 
 
+def _one_gpu(platform, ctx):
+    """Whether the program being lowered runs on one GPU: where a dgrad_dact call may follow the
+    wgrad that reads its S. Partitioned, that wgrad's result is all-reduced, and the call would
+    follow the all-reduce, which XLA overlaps with the rest of the backward."""
+    return platform == "cuda" and getattr(ctx.module_context.axis_context, "num_devices", 0) == 1
+
+
 def _in_place_after(platform, ctx, a, b, s, avals, ddspec):
     """The values (with their avals; none or one) a folded dgrad_dact call writing gZ over S must
     follow, or None where it does not write over S (the fold across layers, above)."""
-    d = ddspec.dact
-    if platform != "cuda" or not d.from_y or getattr(ctx.module_context.axis_context, "num_devices", 0) != 1:
+    if not ddspec.dact.from_y or not _one_gpu(platform, ctx):
         return None
     if not _ffi.dgrad_dact_in_place(*avals, **dataclasses.replace(ddspec, in_place=True).ffi_attrs()):
         return None
@@ -764,12 +771,23 @@ def _dgrad_dact_lower(a, b, s, *after, spec):
     return [gz] if gbias is None else [gz, gbias]
 
 
-_dgrad_dact_p, _dgrad_dact_pick = _epilogue_primitive("regemm_dgrad_dact", _dgrad_dact_ref, _dgrad_dact_lower, operands=3)
+def _dgrad_dact_rule(base, platform, ctx, a, b, s, *after, spec):
+    """regemm_dgrad_dact's lowering: a call asked to write gZ over S after a value (rg.mlp's, over
+    Y, after the wgrad that reads it) does so only in a program of one GPU (_one_gpu); elsewhere
+    it neither follows the value nor writes over S."""
+    if after and not _one_gpu(platform, ctx):
+        ctx = ctx.replace(avals_in=ctx.avals_in[:3])
+        return base(ctx, a, b, s, spec=dataclasses.replace(spec, in_place=False))
+    return base(ctx, a, b, s, *after, spec=spec)
+
+
+_dgrad_dact_p, _dgrad_dact_pick = _epilogue_primitive("regemm_dgrad_dact", _dgrad_dact_ref, _dgrad_dact_lower,
+                                                      operands=3, rule=_dgrad_dact_rule)  # fmt: skip
 
 
 def dgrad_dact(spec: _DgradDactSpec, a, b, s, after=None):
     """(gZ, gBias or None): gZ = (alpha op(a) op(b)) * act'(s); after: a value the call follows
-    (never read; on one device only, _partition.dgrad_dact)."""
+    (never read; in programs of one GPU only, _dgrad_dact_rule)."""
     outs = _dgrad_dact_p.bind(*_same_varying_axes([a, b, s] + ([] if after is None else [after])), spec=spec)
     return (outs[0], outs[1] if len(outs) > 1 else None)
 
@@ -893,13 +911,12 @@ def _mlp_lin_transpose(cts, *args, spec):
             # some of them (bf16 gelu at K = 512). Y is this layer's input h, which its wgrad
             # above reads: the call then takes that wgrad as an operand it follows, a data
             # dependence that orders the read first (else XLA copies S for the call); only in
-            # programs of one device, as partitioned the dependence would be on the wgrad's
-            # all-reduce, which XLA overlaps with the backward.
+            # programs of one GPU, which the lowering knows (_dgrad_dact_rule).
             after = None
             in_place = kinds[l - 1] == "recompute" or (kinds[l - 1] == "y" and out_dws[l] is None)
             ddspec = _DgradDactSpec(dspec, cfg.alpha, False, not tb, cfg.exact_f32, in_place)
-            if kinds[l - 1] == "y" and out_dws[l] is not None and jax.device_count() == 1:
-                if jax.default_backend() == "gpu" and _ffi.dgrad_dact_in_place(gz, w, sb, **ddspec.ffi_attrs()):
+            if kinds[l - 1] == "y" and out_dws[l] is not None:
+                if _ffi.dgrad_dact_in_place(gz, w, sb, **ddspec.ffi_attrs()):
                     ddspec, after = dataclasses.replace(ddspec, in_place=True), out_dws[l]
             gz, gb = dgrad_dact(ddspec, gz, w, sb, after)
     out = [None] * n_res + [out_dx]

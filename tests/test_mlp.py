@@ -145,8 +145,6 @@ def test_mlp_backward_writes_gz_over_s(monkeypatch, act, save, dtype, per_layer,
     those with REGEMM_IN_PLACE=0 (2^24-element layers: the backward's first call is the peak)."""
     from conftest import dgrad_dact_in_place
 
-    if act == "relu" and jax.device_count() > 1:
-        pytest.skip("Y is written over only in programs of one device (_ops._mlp_lin_transpose, _ops._in_place_after)")
     m, d, layers = 32768, 512, 4
     ws, bs = _block(jax.random.PRNGKey(10), [d] * (layers + 1), dtype)
     x = jax.random.normal(jax.random.PRNGKey(11), (m, d), dtype)
@@ -213,6 +211,46 @@ def test_dense_fold_writes_gz_over_y_where_the_call_can_follow_its_readers(monke
         return jax.grad(f, argnums=(0, 1), has_aux=True)
 
     assert calls(read_first) == [(True, 4), (False, 3), (True, 4)]  # in order from the top: layer 1's is second
+
+
+_ONE_GPU_SCRIPT = r"""
+import os
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
+os.environ["JAX_PLATFORMS"] = "cpu"
+import jax, jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P, AxisType
+import jax_regemm as rg
+from jax_regemm import _ffi
+_ffi._in_place = lambda platform, target, avals, attrs: {2: 0} if platform == "cuda" and target == _ffi.DGRAD_DACT_TARGET else {}
+m, d = 4096, 1024
+ws, bs = [jnp.ones((d, d)) / d] * 4, [jnp.zeros(d)] * 4
+dense = lambda x, ws, bs: [x := rg.dense(x, w, b, act="relu" if i < 3 else "none") for i, (w, b) in enumerate(zip(ws, bs))][-1]
+mesh = jax.make_mesh((2,), ("d",), axis_types=(AxisType.Auto,))
+for name, block in (("mlp", lambda x, ws, bs: rg.mlp(x, ws, bs, act="relu")), ("dense", dense)):
+    for where, x in (("one", jnp.ones((m, d))), ("two", jax.device_put(jnp.ones((m, d)), NamedSharding(mesh, P("d"))))):
+        f = jax.grad(lambda x, ws, bs: jnp.sum(block(x, ws, bs) ** 2), argnums=(1, 2))
+        text = jax.jit(f).trace(x, ws, bs).lower(lowering_platforms=("cuda",)).as_text()
+        operands = lambda target: sorted({l.split("(", 1)[1].split(")")[0].count("%") for l in text.splitlines()
+                                          if f"@{target}(" in l})  # partitioned: in JAX's partitioner calls
+        print(name, where, text.count("@regemm_dgrad_dact_v1("), text.count("output_operand_aliases"),
+              operands("regemm_dgrad_dact_v1"), operands("CustomSPMDPartitioning"))
+"""
+
+
+def test_gz_over_y_only_in_programs_of_one_gpu(tmp_path):
+    """rg.mlp's and the fold's dgrad_dact calls lowered for CUDA (the CUDA module's in-place answer
+    stubbed, two host devices): over Y, after the wgrad (a fourth operand), in a program of one
+    device, whatever the process's device count; partitioned over two devices, neither."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _ONE_GPU_SCRIPT], capture_output=True, text=True, timeout=300,
+                          cwd=tmp_path)  # the installed package, not the source tree  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = {tuple(line.split()[:2]): line.split(None, 2)[2] for line in proc.stdout.splitlines()}
+    for name in ("mlp", "dense"):
+        assert got[(name, "one")] == "3 3 [4] []", got
+        assert got[(name, "two")] == "0 0 [] [3]", got  # each op a partitioner call of its three operands
 
 
 def test_mlp_bf16_grads_deep():
