@@ -20,7 +20,7 @@ variable is restored, its wall-clock loops included (one block a loop).
 
 --dense adds side "dense": the plain MLP with each `nn.Dense` + activation
 swapped for `jax_regemm.flax.Dense` (a user's per-layer swap; its backward
-folds across layers at lowering, _ops "The fold across layers"). An --ab side
+folds across layers at lowering, jax_regemm/_fold.py). An --ab side
 whose NAME starts with "dense" runs that model too.
 
 --no-bias: every Dense layer without bias on both sides (the backward without

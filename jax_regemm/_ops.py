@@ -46,7 +46,7 @@ from jax.extend.core import Primitive
 from jax.sharding import NamedSharding
 from jax.interpreters import ad, batching, mlir
 
-from . import _ffi, _partition, reference
+from . import _ffi, _fold, _partition, reference
 from ._args import Config
 
 
@@ -259,139 +259,18 @@ def _pick_fused(platform, a, b, *rest, cfg):
 
 
 # ---------------------------------------------------------------------------
-# The fold across layers written one op at a time
+# The fold across layers written one op at a time (_fold): the records of plain GEMMs
 # ---------------------------------------------------------------------------
-# Reverse mode through layers of their own (rg.dense; the Flax, nnx and Equinox Dense)
-# runs, per layer, the dgrad GEMM of the layer above (a plain GEMM, gY = alpha gZ op(W)),
-# then this layer's dact over gY: the GEMM writes gY and the dact pass reads it back.
-# rg.mlp makes the two one regemm_dgrad_dact call, as its transpose sees both layers. Here
-# the lowering finds the same pair: each plain 2-D GEMM lowered records its result with
-# its operands, and a dact whose gY is such a result (or a reshape of one: rg.dense
-# flattens leading dims) lowers as regemm_dgrad_dact of the GEMM's operands. The GEMM, its
-# result then unread, is dead code that XLA removes. In reverse mode a cotangent is read
-# only by the transpose of the op that made its primal, so gY is the dact's alone; were it
-# read elsewhere too (a hand-written backward), the GEMM would stay: the same results, one
-# GEMM more. The records live in the module's lowering context, one table per program.
-#
-# As in rg.mlp, the folded call writes gZ over S where S is Y of the layer (relu, leaky_relu,
-# sigmoid, tanh from Y) on one GPU (_ffi._in_place): the backward's first call then holds one
-# [M, N] buffer fewer. Y is also the input of the layer above, read by its forward (done
-# before: the call depends on it through the cotangent) and by its wgrad (not ordered with
-# the call: both read the layer above's gZ). The lowering finds S's readers so far; a wgrad
-# among them becomes an operand the call follows, never reads (ordering the read first: else
-# XLA copies S for the call), and any other reader the call does not depend on (a program that
-# returns Y, say) keeps gZ in a buffer of its own.
-
-_GEMMS = "jax_regemm.plain_gemm_results"  # the table's key in ModuleContext.cached_primitive_lowerings
-
-
-def _gemm_results(ctx):
-    """{result value: ((A, B) values, (A, B) avals, Config, result aval)} of the plain GEMMs lowered so far."""
-    return ctx.module_context.cached_primitive_lowerings.setdefault(_GEMMS, {})
 
 
 def _fused_rule(base, platform, ctx, *args, cfg):
+    """regemm_fused's lowering: `base`, with a plain 2-D GEMM's result recorded for a dact that
+    reads it (_fold, _dact_rule)."""
     outs = base(ctx, *args, cfg=cfg)
     a, b = ctx.avals_in[:2]
     if plain(cfg) and a.ndim == 2 and b.ndim == 2 and cfg.out_sharding is None:
-        _gemm_results(ctx)[outs[0]] = (tuple(args[:2]), (a, b), cfg, ctx.avals_out[0])
+        _fold.gemm_results(ctx)[outs[0]] = (tuple(args[:2]), (a, b), cfg, ctx.avals_out[0])
     return outs
-
-
-def _reshaped_from(value):
-    """The op that made `value`, if a reshape (an ir.Operation); else None (a block argument too)."""
-    op = value.owner
-    op = getattr(op, "operation", None)  # an OpView or an Operation; a Block has none
-    return op if op is not None and op.name == "stablehlo.reshape" else None
-
-
-def _gemm_of(ctx, value):
-    """The record of the plain GEMM whose result `value` is, through reshapes; else None."""
-    table = _gemm_results(ctx)
-    while value not in table:
-        op = _reshaped_from(value)
-        if op is None:
-            return None
-        value = op.operands[0]
-    return table[value]
-
-
-def _readers(value):
-    """The ops lowered so far that read `value` or a reshape of the array it is (not the reshapes)."""
-    while (op := _reshaped_from(value)) is not None:
-        value = op.operands[0]
-    ops, todo = [], [value]
-    while todo:
-        for use in todo.pop().uses:
-            op = use.owner.operation
-            if op.name == "stablehlo.reshape":
-                todo.append(op.results[0])
-            else:
-                ops.append(op)
-    return ops
-
-
-def _made_before(values, ops):
-    """The ops of `ops` that the values depend on (their producers, transitively)."""
-    left = {op.results[0]: op for op in ops if len(op.results)}
-    found, seen, todo = [], set(), list(values)
-    while todo and left:
-        v = todo.pop()
-        if v in seen:
-            continue
-        seen.add(v)
-        op = getattr(v.owner, "operation", None)  # None: a block argument
-        if op is None or not len(op.results):
-            continue
-        if (hit := left.pop(op.results[0], None)) is not None:
-            found.append(hit)
-        todo.extend(op.operands)
-    return found
-
-
-def _one_gpu(platform, ctx):
-    """Whether the program being lowered runs on one GPU: where a dgrad_dact call may follow the
-    wgrad that reads its S. Partitioned, that wgrad's result is all-reduced, and the call would
-    follow the all-reduce, which XLA overlaps with the rest of the backward."""
-    return platform == "cuda" and getattr(ctx.module_context.axis_context, "num_devices", 0) == 1
-
-
-def _in_place_after(platform, ctx, a, b, s, avals, ddspec):
-    """The values (with their avals; none or one) a folded dgrad_dact call writing gZ over S must
-    follow, or None where it does not write over S (the fold across layers, above)."""
-    if not ddspec.dact.from_y or not _one_gpu(platform, ctx):
-        return None
-    if not _ffi.dgrad_dact_in_place(*avals, **dataclasses.replace(ddspec, in_place=True).ffi_attrs()):
-        return None
-    readers = _readers(s)
-    before = {id(op) for op in _made_before([a, b], readers)}
-    table = _gemm_results(ctx)
-    after = []
-    for op in readers:
-        if id(op) in before:
-            continue
-        gemm = _gemm_fed(table, op)
-        if gemm is None:
-            return None  # a reader the call cannot follow: S stays
-        after.append((gemm, table[gemm][3]))
-    return after if len(after) <= 1 else None  # the call follows one value (its handler's optional operand)
-
-
-def _gemm_fed(table, op):
-    """The result of the plain GEMM that `op` is or feeds alone (XLA's dot lowers as a transpose,
-    the dot and a convert), if one is recorded; else None. The call follows that result (its
-    operand S's reader itself, a transpose, would be made an array of its own)."""
-    for _ in range(4):
-        if len(op.results) != 1:
-            return None
-        v = op.results[0]
-        if v in table:
-            return v
-        uses = list(v.uses)
-        if len(uses) != 1:
-            return None
-        op = uses[0].owner.operation
-    return None
 
 
 _lower_per_platform(_fused_p, _pick_fused, _fused_rule)
@@ -711,15 +590,15 @@ def _epilogue_primitive(name, ref, lower, operands, rule=None):
 
 def _dact_rule(base, platform, ctx, gy, s, *, spec):
     """regemm_dact's lowering: as regemm_dgrad_dact of the GEMM that made gY where one did (the
-    fold across layers written one op at a time, above), else `base`."""
-    found = _gemm_of(ctx, gy)
+    fold across layers written one op at a time, _fold), else `base`."""
+    found = _fold.gemm_of(ctx, gy)
     if found is not None:
         (a, b), (a_aval, b_aval), cfg, _ = found
         avals = (a_aval, b_aval, ctx.avals_in[1])
         ddspec = _DgradDactSpec(spec, cfg.alpha, cfg.trans_a, cfg.trans_b, cfg.exact_f32)
         same = _out_shape(cfg, a_aval, b_aval) == ctx.avals_in[0].shape and a_aval.dtype == ctx.avals_in[0].dtype
         if same and _dgrad_dact_pick(platform, *avals, spec=ddspec) is _dgrad_dact_lower:
-            after = _in_place_after(platform, ctx, a, b, s, avals, ddspec)
+            after = _fold.in_place_after(platform, ctx, a, b, s, avals, ddspec)
             if after is not None:
                 ddspec = dataclasses.replace(ddspec, in_place=True)
                 avals += tuple(aval for _, aval in after)
@@ -773,9 +652,9 @@ def _dgrad_dact_lower(a, b, s, *after, spec):
 
 def _dgrad_dact_rule(base, platform, ctx, a, b, s, *after, spec):
     """regemm_dgrad_dact's lowering: a call asked to write gZ over S after a value (rg.mlp's, over
-    Y, after the wgrad that reads it) does so only in a program of one GPU (_one_gpu); elsewhere
+    Y, after the wgrad that reads it) does so only in a program of one GPU (_fold.one_gpu); elsewhere
     it neither follows the value nor writes over S."""
-    if after and not _one_gpu(platform, ctx):
+    if after and not _fold.one_gpu(platform, ctx):
         ctx = ctx.replace(avals_in=ctx.avals_in[:3])
         return base(ctx, a, b, s, spec=dataclasses.replace(spec, in_place=False))
     return base(ctx, a, b, s, *after, spec=spec)

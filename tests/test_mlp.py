@@ -318,7 +318,7 @@ def test_mlp_modules_run_the_folded_backward():
 
 
 # ---------------------------------------------------------------------------
-# The same fold for layers written one op at a time (_ops: "The fold across layers")
+# The same fold for layers written one op at a time (jax_regemm/_fold.py)
 # ---------------------------------------------------------------------------
 
 

@@ -1,0 +1,131 @@
+"""The fold across layers written one op at a time, at lowering.
+
+Reverse mode through layers of their own (rg.dense; the Flax, nnx and Equinox Dense)
+runs, per layer, the dgrad GEMM of the layer above (a plain GEMM, gY = alpha gZ op(W)),
+then this layer's dact over gY: the GEMM writes gY and the dact pass reads it back.
+rg.mlp makes the two one regemm_dgrad_dact call, as its transpose sees both layers. Here
+the lowering finds the same pair: each plain 2-D GEMM lowered records its result with
+its operands, and a dact whose gY is such a result (or a reshape of one: rg.dense
+flattens leading dims) lowers as regemm_dgrad_dact of the GEMM's operands. The GEMM, its
+result then unread, is dead code that XLA removes. In reverse mode a cotangent is read
+only by the transpose of the op that made its primal, so gY is the dact's alone; were it
+read elsewhere too (a hand-written backward), the GEMM would stay: the same results, one
+GEMM more. The records live in the module's lowering context, one table per program.
+
+As in rg.mlp, the folded call writes gZ over S where S is Y of the layer (relu, leaky_relu,
+sigmoid, tanh from Y) on one GPU (_ffi._in_place): the backward's first call then holds one
+[M, N] buffer fewer. Y is also the input of the layer above, read by its forward (done
+before: the call depends on it through the cotangent) and by its wgrad (not ordered with
+the call: both read the layer above's gZ). The lowering finds S's readers so far; a wgrad
+among them becomes an operand the call follows, never reads (ordering the read first: else
+XLA copies S for the call), and any other reader the call does not depend on (a program that
+returns Y, say) keeps gZ in a buffer of its own.
+
+The lowering rules that use these helpers are in _ops (_fused_rule, _dact_rule, _dgrad_dact_rule)."""
+
+import dataclasses
+
+from . import _ffi
+
+_GEMMS = "jax_regemm.plain_gemm_results"  # the table's key in ModuleContext.cached_primitive_lowerings
+
+
+def gemm_results(ctx):
+    """{result value: ((A, B) values, (A, B) avals, Config, result aval)} of the plain GEMMs lowered so far."""
+    return ctx.module_context.cached_primitive_lowerings.setdefault(_GEMMS, {})
+
+
+def _reshaped_from(value):
+    """The op that made `value`, if a reshape (an ir.Operation); else None (a block argument too)."""
+    op = value.owner
+    op = getattr(op, "operation", None)  # an OpView or an Operation; a Block has none
+    return op if op is not None and op.name == "stablehlo.reshape" else None
+
+
+def gemm_of(ctx, value):
+    """The record of the plain GEMM whose result `value` is, through reshapes; else None."""
+    table = gemm_results(ctx)
+    while value not in table:
+        op = _reshaped_from(value)
+        if op is None:
+            return None
+        value = op.operands[0]
+    return table[value]
+
+
+def _readers(value):
+    """The ops lowered so far that read `value` or a reshape of the array it is (not the reshapes)."""
+    while (op := _reshaped_from(value)) is not None:
+        value = op.operands[0]
+    ops, todo = [], [value]
+    while todo:
+        for use in todo.pop().uses:
+            op = use.owner.operation
+            if op.name == "stablehlo.reshape":
+                todo.append(op.results[0])
+            else:
+                ops.append(op)
+    return ops
+
+
+def _made_before(values, ops):
+    """The ops of `ops` that the values depend on (their producers, transitively)."""
+    left = {op.results[0]: op for op in ops if len(op.results)}
+    found, seen, todo = [], set(), list(values)
+    while todo and left:
+        v = todo.pop()
+        if v in seen:
+            continue
+        seen.add(v)
+        op = getattr(v.owner, "operation", None)  # None: a block argument
+        if op is None or not len(op.results):
+            continue
+        if (hit := left.pop(op.results[0], None)) is not None:
+            found.append(hit)
+        todo.extend(op.operands)
+    return found
+
+
+def one_gpu(platform, ctx):
+    """Whether the program being lowered runs on one GPU: where a dgrad_dact call may follow the
+    wgrad that reads its S. Partitioned, that wgrad's result is all-reduced, and the call would
+    follow the all-reduce, which XLA overlaps with the rest of the backward."""
+    return platform == "cuda" and getattr(ctx.module_context.axis_context, "num_devices", 0) == 1
+
+
+def in_place_after(platform, ctx, a, b, s, avals, ddspec):
+    """The values (with their avals; none or one) a folded dgrad_dact call writing gZ over S must
+    follow, or None where it does not write over S (the module's docstring)."""
+    if not ddspec.dact.from_y or not one_gpu(platform, ctx):
+        return None
+    if not _ffi.dgrad_dact_in_place(*avals, **dataclasses.replace(ddspec, in_place=True).ffi_attrs()):
+        return None
+    readers = _readers(s)
+    before = {id(op) for op in _made_before([a, b], readers)}
+    table = gemm_results(ctx)
+    after = []
+    for op in readers:
+        if id(op) in before:
+            continue
+        gemm = _gemm_fed(table, op)
+        if gemm is None:
+            return None  # a reader the call cannot follow: S stays
+        after.append((gemm, table[gemm][3]))
+    return after if len(after) <= 1 else None  # the call follows one value (its handler's optional operand)
+
+
+def _gemm_fed(table, op):
+    """The result of the plain GEMM that `op` is or feeds alone (XLA's dot lowers as a transpose,
+    the dot and a convert), if one is recorded; else None. The call follows that result (its
+    operand S's reader itself, a transpose, would be made an array of its own)."""
+    for _ in range(4):
+        if len(op.results) != 1:
+            return None
+        v = op.results[0]
+        if v in table:
+            return v
+        uses = list(v.uses)
+        if len(uses) != 1:
+            return None
+        op = uses[0].owner.operation
+    return None
