@@ -19,7 +19,8 @@ before: the call depends on it through the cotangent) and by its wgrad (not orde
 the call: both read the layer above's gZ). The lowering finds S's readers so far; a wgrad
 among them becomes an operand the call follows, never reads (ordering the read first: else
 XLA copies S for the call), and any other reader the call does not depend on (a program that
-returns Y, say) keeps gZ in a buffer of its own.
+returns Y, say) keeps gZ in a buffer of its own, as does an S the function being lowered takes
+as an argument (a loop body's residual, a backward compiled apart from its forward).
 
 The lowering rules that use these helpers are in _ops (_fused_rule, _dact_rule, _dgrad_dact_rule)."""
 
@@ -53,11 +54,22 @@ def gemm_of(ctx, value):
     return table[value]
 
 
-def _readers(value):
-    """The ops lowered so far that read `value` or a reshape of the array it is (not the reshapes)."""
+def _array(value):
+    """The value `value` is a reshape of (through reshapes), or `value`."""
     while (op := _reshaped_from(value)) is not None:
         value = op.operands[0]
-    ops, todo = [], [value]
+    return value
+
+
+def is_argument(value):
+    """Whether `value` (through reshapes) is an argument of the function being lowered: a buffer
+    that XLA would copy for a call writing over it (an entry parameter, a loop body's operand)."""
+    return getattr(_array(value).owner, "operation", None) is None
+
+
+def _readers(value):
+    """The ops lowered so far that read `value` or a reshape of the array it is (not the reshapes)."""
+    ops, todo = [], [_array(value)]
     while todo:
         for use in todo.pop().uses:
             op = use.owner.operation
@@ -97,6 +109,8 @@ def in_place_after(platform, ctx, a, b, s, avals, ddspec):
     """The values (with their avals; none or one) a folded dgrad_dact call writing gZ over S must
     follow, or None where it does not write over S (the module's docstring)."""
     if not ddspec.dact.from_y or not one_gpu(platform, ctx):
+        return None
+    if is_argument(s):
         return None
     if not _ffi.dgrad_dact_in_place(*avals, **dataclasses.replace(ddspec, in_place=True).ffi_attrs()):
         return None

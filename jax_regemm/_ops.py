@@ -653,8 +653,9 @@ def _dgrad_dact_lower(a, b, s, *after, spec):
 def _dgrad_dact_rule(base, platform, ctx, a, b, s, *after, spec):
     """regemm_dgrad_dact's lowering: a call asked to write gZ over S after a value (rg.mlp's, over
     Y, after the wgrad that reads it) does so only in a program of one GPU (_fold.one_gpu); elsewhere
-    it neither follows the value nor writes over S."""
-    if after and not _fold.one_gpu(platform, ctx):
+    it neither follows the value nor writes over S. Nor over an S the function being lowered takes
+    as an argument (XLA would copy it for the call)."""
+    if (after and not _fold.one_gpu(platform, ctx)) or (spec.in_place and _fold.is_argument(s)):
         ctx = ctx.replace(avals_in=ctx.avals_in[:3])
         return base(ctx, a, b, s, spec=dataclasses.replace(spec, in_place=False))
     return base(ctx, a, b, s, *after, spec=spec)

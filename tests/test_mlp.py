@@ -180,7 +180,7 @@ def test_dense_fold_writes_gz_over_y_where_the_call_can_follow_its_readers(monke
     CUDA module's answer stubbed, so that it runs here): over Y of a relu layer, after the wgrad
     that reads Y (one more operand); with only biases differentiated, no wgrad and no operand
     more; never where another reader of Y comes first that the call cannot follow, nor over a
-    stashed Z (silu)."""
+    stashed Z (silu), nor over an S the program takes as an argument (rg.mlp's calls neither)."""
     from jax_regemm import _ffi
 
     def in_place(platform, target, avals, attrs):
@@ -211,6 +211,16 @@ def test_dense_fold_writes_gz_over_y_where_the_call_can_follow_its_readers(monke
         return jax.grad(f, argnums=(0, 1), has_aux=True)
 
     assert calls(read_first) == [(True, 4), (False, 3), (True, 4)]  # in order from the top: layer 1's is second
+
+    # The backward compiled apart from its forward (layers and rg.mlp): S is the program's
+    # argument, which stays, and the call follows nothing.
+    for per_layer in (True, False):
+        _, backward = jax.vjp(lambda ws, bs: jnp.sum(_stack(per_layer, "relu", "auto")(x, ws, bs) ** 2), ws, bs)
+        lowered = jax.jit(lambda f: f(jnp.float32(1))).trace(backward).lower(lowering_platforms=("cuda",)).as_text()
+        found = [line for line in lowered.splitlines() if "@regemm_dgrad_dact_v1(" in line]
+        assert len(found) == layers - 1, found
+        assert [("output_operand_aliases" in line, line.split("(", 1)[1].split(")")[0].count("%")) for line in found] \
+            == [(False, 3)] * (layers - 1), found
 
 
 _ONE_GPU_SCRIPT = r"""
