@@ -247,8 +247,9 @@ def dact(gy, s, *, act, slope, from_y, bias_kind, bias_len):
 def dgrad_dact(a, b, s, *after, act, slope, from_y, bias_kind, bias_len, alpha, trans_a, trans_b, exact_f32,
                in_place=False):
     """(gZ, gBias or None) = the dgrad_dact target: gZ = (alpha op(A) op(B)) * act'(S). in_place:
-    the program reads S no more after the call (gZ may be written over it, _in_place); after:
-    values the call must follow, never read (the other readers of S, ordered first)."""
+    the program reads S no more after the call (gZ may be written over it, _in_place); after: a
+    value the call must follow, never read (the other reader of S, ordered first; one at most,
+    the handler's optional operand)."""
     gz = _gz_shape(a, b, s, trans_a, trans_b)
     gz_t = jax.ShapeDtypeStruct(gz, a.dtype)
     gb_t = jax.ShapeDtypeStruct(gz[:-2] + (bias_len if bias_kind != "none" else 0,), a.dtype)

@@ -391,7 +391,7 @@ _dgrad_dact_cp.def_partition(
 
 
 def dgrad_dact(a, b, s, *after, **attrs):
-    """_ffi.dgrad_dact, partitioned over the mesh: (gZ, gBias or None). `after` (values the call
+    """_ffi.dgrad_dact, partitioned over the mesh: (gZ, gBias or None). `after` (a value the call
     follows, _ffi.dgrad_dact) only in programs of one device, which are not partitioned."""
     if after:
         return _ffi.dgrad_dact(a, b, s, *after, bias_len=_bias_len(attrs["bias_kind"], s), **_dgrad_dact_ffi_attrs(attrs))
