@@ -244,17 +244,16 @@ def dact(gy, s, *, act, slope, from_y, bias_kind, bias_len):
     return gz, (gbias if bias_kind != "none" else None)
 
 
-def dgrad_dact(a, b, s, *after, act, slope, from_y, bias_kind, bias_len, alpha, trans_a, trans_b, exact_f32,
+def dgrad_dact(a, b, s, after=None, *, act, slope, from_y, bias_kind, bias_len, alpha, trans_a, trans_b, exact_f32,
                in_place=False):
     """(gZ, gBias or None) = the dgrad_dact target: gZ = (alpha op(A) op(B)) * act'(S). in_place:
     the program reads S no more after the call (gZ may be written over it, _in_place); after: a
-    value the call must follow, never read (the other reader of S, ordered first; one at most,
-    the handler's optional operand)."""
+    value the call must follow, never read (the other reader of S, ordered first)."""
     gz = _gz_shape(a, b, s, trans_a, trans_b)
     gz_t = jax.ShapeDtypeStruct(gz, a.dtype)
     gb_t = jax.ShapeDtypeStruct(gz[:-2] + (bias_len if bias_kind != "none" else 0,), a.dtype)
     gz, gbias = _call(
-        DGRAD_DACT_TARGET, (gz_t, gb_t), a, b, s, *after, act=act,
+        DGRAD_DACT_TARGET, (gz_t, gb_t), a, b, s, *([] if after is None else [after]), act=act,
         slope=np.float64(slope), from_y=bool(from_y), bias_kind=bias_kind, alpha=np.float64(alpha),
         trans_a=bool(trans_a), trans_b=bool(trans_b), exact_f32=bool(exact_f32), in_place=bool(in_place),
     )  # fmt: skip

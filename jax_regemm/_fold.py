@@ -22,7 +22,8 @@ XLA copies S for the call), and any other reader the call does not depend on (a 
 returns Y, say) keeps gZ in a buffer of its own, as does an S the function being lowered takes
 as an argument (a loop body's residual, a backward compiled apart from its forward).
 
-The lowering rules that use these helpers are in _ops (_fused_rule, _dact_rule, _dgrad_dact_rule)."""
+The lowering rules that use these helpers are in _ops (_fused_rule, _dact_rule, _dgrad_dact_rule;
+is_argument also decides where _one_buffer puts no barrier)."""
 
 import dataclasses
 
@@ -81,9 +82,9 @@ def _readers(value):
 
 
 def _made_before(values, ops):
-    """The ops of `ops` that the values depend on (their producers, transitively)."""
-    left = {op.results[0]: op for op in ops if len(op.results)}
-    found, seen, todo = [], set(), list(values)
+    """The first results of those of `ops` that the values depend on (their producers, transitively)."""
+    left = {op.results[0] for op in ops if len(op.results)}
+    found, seen, todo = set(), set(), list(values)
     while todo and left:
         v = todo.pop()
         if v in seen:
@@ -92,8 +93,9 @@ def _made_before(values, ops):
         op = getattr(v.owner, "operation", None)  # None: a block argument
         if op is None or not len(op.results):
             continue
-        if (hit := left.pop(op.results[0], None)) is not None:
-            found.append(hit)
+        if op.results[0] in left:
+            left.discard(op.results[0])
+            found.add(op.results[0])
         todo.extend(op.operands)
     return found
 
@@ -115,11 +117,11 @@ def in_place_after(platform, ctx, a, b, s, avals, ddspec):
     if not _ffi.dgrad_dact_in_place(*avals, **dataclasses.replace(ddspec, in_place=True).ffi_attrs()):
         return None
     readers = _readers(s)
-    before = {id(op) for op in _made_before([a, b], readers)}
+    before = _made_before([a, b], readers)
     table = gemm_results(ctx)
     after = []
     for op in readers:
-        if id(op) in before:
+        if len(op.results) and op.results[0] in before:
             continue
         gemm = _gemm_fed(table, op)
         if gemm is None:

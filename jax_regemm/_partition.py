@@ -390,11 +390,11 @@ _dgrad_dact_cp.def_partition(
 )
 
 
-def dgrad_dact(a, b, s, *after, **attrs):
+def dgrad_dact(a, b, s, after=None, **attrs):
     """_ffi.dgrad_dact, partitioned over the mesh: (gZ, gBias or None). `after` (a value the call
     follows, _ffi.dgrad_dact) only in programs of one device, which are not partitioned."""
-    if after:
-        return _ffi.dgrad_dact(a, b, s, *after, bias_len=_bias_len(attrs["bias_kind"], s), **_dgrad_dact_ffi_attrs(attrs))
+    if after is not None:
+        return _ffi.dgrad_dact(a, b, s, after, bias_len=_bias_len(attrs["bias_kind"], s), **_dgrad_dact_ffi_attrs(attrs))
     attrs = _Attrs(attrs, shapes=(tuple(a.shape), tuple(b.shape), tuple(s.shape)))
     out = _dgrad_dact_cp(attrs, a, b, s)
     return tuple(out) if attrs["bias_kind"] != "none" else (out, None)
