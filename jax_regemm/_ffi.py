@@ -125,7 +125,14 @@ def _workspace_bytes(platform, target, avals_in, attrs):
         return 0  # (an unsupported dtype: the handler says so, with the shapes)
     dtype = np.dtype(avals_in[0].dtype).name
     if target == GEMM_TARGET:
-        return _regemm_cuda.gemm_workspace_bytes()
+        a, b = avals_in[:2]
+        ta, tb = attrs["trans_a"], attrs["trans_b"]
+        m, k = (a.shape[-1], a.shape[-2]) if ta else (a.shape[-2], a.shape[-1])
+        n = b.shape[-2] if tb else b.shape[-1]
+        dims = (m, n, k, math.prod(_batch_shape((a, 2), (b, 2))), math.prod(b.shape[:-2]))
+        if not all(isinstance(d, (int, np.integer)) for d in dims):
+            return _regemm_cuda.gemm_workspace_bytes()  # a symbolic dim (jax.export): the share of any size
+        return _regemm_cuda.gemm_call_workspace_bytes(dtype, *dims, ta, tb)
     if target == DGRAD_DACT_TARGET:
         *batch, m, n = _gz_shape(*avals_in[:3], attrs["trans_a"], attrs["trans_b"])  # (not the operand it follows)
         size = lambda m, n, batch: _regemm_cuda.dgrad_dact_workspace_bytes(dtype, m, n, batch, attrs["bias_kind"])

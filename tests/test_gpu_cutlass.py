@@ -147,3 +147,26 @@ def test_grad_program_reads_y(dtype, act):
     for name, g, g_ref in zip(("gA", "gB", "gBias", "gC"), grads, grads_ref):
         assert g.dtype == dtype and g.shape == g_ref.shape, name
         assert _rel(g, g_ref) < tol, name
+
+
+def test_large_problem_workspace_share():
+    """A forward call with 2^22 output elements or more gets a workspace sized by the problem
+    (ffi/cuda/workspace.h: 8 MiB, or B^T and 1 MiB where the f32 x @ w way transposes B), the
+    lowering gives the call that buffer, and the kernels that run in it match the reference."""
+    from jax_regemm import _ffi
+
+    cuda = _ffi._regemm_cuda
+    full, mib = cuda.gemm_workspace_bytes(), 1 << 20
+    share = lambda t, m, n, k, ta=False, tb=False: cuda.gemm_call_workspace_bytes(t, m, n, k, 1, 1, ta, tb)
+    assert share("bfloat16", 264, 392, 136) == full  # below 2^22: a library GEMM's
+    assert share("bfloat16", 4096, 1024, 512) == 8 * mib + 256
+    assert share("float32", 2048, 2048, 2048) == 17 * mib + 256  # B^T (16 MiB) and 1 MiB
+    assert share("float32", 2048, 2048, 2048, tb=True) == 8 * mib + 256  # B already K-major: no B^T
+    assert share("float32", 2048, 3072, 3072) == 8 * mib + 256  # B^T (36 MiB) fits no share: the kernel runs without
+    for dtype, (m, n, k), want in [(jnp.bfloat16, (4096, 1024, 512), 8 * mib + 256),
+                                   (jnp.float32, (2048, 2048, 2048), 17 * mib + 256)]:  # fmt: skip
+        a = jax.ShapeDtypeStruct((m, k), dtype)
+        b = jax.ShapeDtypeStruct((k, n), dtype)
+        hlo = jax.jit(lambda a, b: rg.gemm_bias_act(a, b, None, act="gelu")).lower(a, b).as_text()
+        assert f"tensor<{want}xui8>" in hlo, (dtype, want)
+        _case(dtype, m, n, k, "gelu", "per_col", has_c=False, store_z=True, trans_a=False, trans_b=False)

@@ -57,6 +57,10 @@ NB_MODULE(_regemm_cuda, m) {
     return t;
   };
   m.def("gemm_workspace_bytes", [] { return regemm::gemm_workspace_bytes(); });
+  m.def("gemm_call_workspace_bytes", [dtype](const std::string& t, int64_t m, int64_t n, int64_t k, int64_t batch,
+                                             int64_t batch_b, bool trans_a, bool trans_b) {
+    return regemm::gemm_call_workspace_bytes(dtype(t), m, n, k, batch, batch_b, trans_a, trans_b);
+  });
   m.def("dgrad_dact_workspace_bytes",
         [dtype](const std::string& t, int64_t m, int64_t n, int64_t batch, const std::string& kind) {
           regemm::BiasKind b;
