@@ -316,3 +316,45 @@ def test_tolerance_table():
     """The helper's tolerances are SPEC §5's."""
     assert tol(jnp.bfloat16) == 2e-2 and tol(jnp.float16) == 5e-3
     assert tol(jnp.float32, "highest") == 1e-5
+
+
+def test_cuda_workspace_sized_by_the_problem(monkeypatch):
+    """Lowered for CUDA, a forward call's workspace result is the size the CUDA module gives for its
+    problem (ffi/cuda/workspace.h), asked with op(A)'s rows, op(B)'s columns, K, the batch and B's
+    own batch, and the transposes; with a symbolic dim (jax.export) the full share, whatever it is.
+    A stand-in module records the questions (no GPU needed)."""
+    from jax_regemm import _ffi
+
+    asked = []
+
+    class Cuda:
+        @staticmethod
+        def gemm_workspace_bytes():
+            return 1000
+
+        @staticmethod
+        def gemm_call_workspace_bytes(*q):
+            asked.append(q)
+            return 2000 + len(asked)
+
+    monkeypatch.setattr(_ffi, "_regemm_cuda", Cuda)
+    monkeypatch.setenv("REGEMM_PLAIN_GEMM", "regemm")  # the call, not XLA's dot, whatever the act
+    sds = jax.ShapeDtypeStruct
+    cases = [  # a, b, trans_a, trans_b, vmap's in_axes: (m, n, k, batch, batch_b)
+        ((300, 70), (70, 90), False, False, None, (300, 90, 70, 1, 1)),
+        ((70, 300), (90, 70), True, True, None, (300, 90, 70, 1, 1)),
+        ((3, 300, 70), (3, 70, 90), False, False, (0, 0), (300, 90, 70, 3, 3)),
+        ((3, 300, 70), (70, 90), False, False, (0, None), (900, 90, 70, 1, 1)),  # a shared weight: one GEMM
+    ]
+    for sa, sb, ta, tb, axes, want in cases:
+        f = lambda a, b: rg.gemm_bias_act(a, b, None, act="gelu", trans_a=ta, trans_b=tb)
+        f = jax.vmap(f, in_axes=axes) if axes else f
+        text = jax.jit(f).trace(sds(sa, jnp.bfloat16), sds(sb, jnp.bfloat16)).lower(lowering_platforms=("cuda",)).as_text()
+        assert asked[-1] == ("bfloat16",) + want + (ta, tb), asked[-1]
+        assert f"tensor<{2000 + len(asked)}xui8>" in text
+    n = len(asked)
+    (b,) = jax.export.symbolic_shape("b")
+    f = jax.jit(lambda a, w: rg.dense(a, w, None, act="gelu"))
+    exp = jax.export.export(f, platforms=("cuda",), disabled_checks=rg.disabled_export_checks())
+    exp = exp(sds((b, 70), jnp.float32), sds((70, 90), jnp.float32))
+    assert len(asked) == n and "tensor<1000xui8>" in exp.mlir_module()
