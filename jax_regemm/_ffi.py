@@ -105,10 +105,13 @@ def _call_batch(args, dims, *, target, results, attrs, in_place):
 _WORKSPACE_DTYPES = ("float32", "float64", "bfloat16", "float16")
 
 
-def _sized(target, size_of, *dims):
-    """size_of(*dims); a symbolic dim (jax.export) may be among them only if the size does not depend on it."""
+def _sized(target, size_of, *dims, any_size=None):
+    """size_of(*dims); a symbolic dim (jax.export) may be among them only if the size does not depend on it,
+    or where `any_size` (a size that serves every value of the dims) is given: then that."""
     if all(isinstance(d, (int, np.integer)) for d in dims):
         return size_of(*dims)
+    if any_size is not None:
+        return any_size
     sizes = {size_of(*[d if isinstance(d, (int, np.integer)) else probe for d in dims]) for probe in (1, 2)}
     if len(sizes) == 1:
         return sizes.pop()
@@ -127,12 +130,11 @@ def _workspace_bytes(platform, target, avals_in, attrs):
     if target == GEMM_TARGET:
         a, b = avals_in[:2]
         ta, tb = attrs["trans_a"], attrs["trans_b"]
-        m, k = (a.shape[-1], a.shape[-2]) if ta else (a.shape[-2], a.shape[-1])
-        n = b.shape[-2] if tb else b.shape[-1]
-        dims = (m, n, k, math.prod(_batch_shape((a, 2), (b, 2))), math.prod(b.shape[:-2]))
-        if not all(isinstance(d, (int, np.integer)) for d in dims):
-            return _regemm_cuda.gemm_workspace_bytes()  # a symbolic dim (jax.export): the share of any size
-        return _regemm_cuda.gemm_call_workspace_bytes(dtype, *dims, ta, tb)
+        *batch, m, n = _gz_shape(a, b, None, ta, tb)
+        k = a.shape[-2] if ta else a.shape[-1]
+        size = lambda *dims: _regemm_cuda.gemm_call_workspace_bytes(dtype, *dims, ta, tb)
+        return _sized(target, size, m, n, k, math.prod(batch), math.prod(b.shape[:-2]),
+                      any_size=_regemm_cuda.gemm_workspace_bytes())  # fmt: skip
     if target == DGRAD_DACT_TARGET:
         *batch, m, n = _gz_shape(*avals_in[:3], attrs["trans_a"], attrs["trans_b"])  # (not the operand it follows)
         size = lambda m, n, batch: _regemm_cuda.dgrad_dact_workspace_bytes(dtype, m, n, batch, attrs["bias_kind"])
@@ -199,7 +201,7 @@ def _batch_shape(*arrays_and_ranks):
 
 
 def _gz_shape(a, b, s, trans_a, trans_b):
-    """dgrad_dact's gZ: the batch of A, B and S, then op(A)'s rows and op(B)'s columns."""
+    """dgrad_dact's gZ (a GEMM's output, S None): the batch of A, B and S, then op(A)'s rows and op(B)'s columns."""
     m = a.shape[-1] if trans_a else a.shape[-2]
     n = b.shape[-2] if trans_b else b.shape[-1]
     return tuple(_batch_shape((a, 2), (b, 2), (s, 2))) + (m, n)
