@@ -22,10 +22,20 @@ XLA copies S for the call), and any other reader the call does not depend on (a 
 returns Y, say) keeps gZ in a buffer of its own, as does an S the function being lowered takes
 as an argument (a loop body's residual, a backward compiled apart from its forward).
 
+Partitioned over several devices, the wgrad's result is all-reduced: a call following it
+would wait for the collective. There the wgrad and the call run as one partitioned op
+(_partition.layer_backward), whose local body orders them as one GPU does; the program then
+reads the wgrad's result from that op. As the wgrad was lowered first and its later readers
+are lowered from its value, a plain GEMM's result in a partitioned program passes through an
+identity op (rewirable) whose operand the fold makes the new op's result; XLA drops the old
+GEMM. rg.mlp's calls, which take their wgrad as `after`, do the same (_dgrad_dact_rule).
+
 The lowering rules that use these helpers are in _ops (_fused_rule, _dact_rule, _dgrad_dact_rule;
 is_argument also decides where _one_buffer puts no barrier)."""
 
 import dataclasses
+
+from jax._src.lib.mlir.dialects import hlo
 
 from . import _ffi
 
@@ -33,8 +43,24 @@ _GEMMS = "jax_regemm.plain_gemm_results"  # the table's key in ModuleContext.cac
 
 
 def gemm_results(ctx):
-    """{result value: ((A, B) values, (A, B) avals, Config, result aval)} of the plain GEMMs lowered so far."""
+    """{result value: ((A, B) values, (A, B) avals, Config, result aval, wrapper)} of the plain GEMMs lowered
+    so far; wrapper: the identity op the program reads the result through in a partitioned program
+    (rewirable), else None."""
     return ctx.module_context.cached_primitive_lowerings.setdefault(_GEMMS, {})
+
+
+def partitioned(ctx):
+    """Whether XLA partitions the program being lowered over several devices (jit with shardings;
+    not a shard_map body, whose axes are manual)."""
+    axis_context = ctx.module_context.axis_context
+    return getattr(axis_context, "num_devices", 0) > 1 and not hasattr(axis_context, "manual_axes")
+
+
+def rewirable(value):
+    """(value through an identity reshape, that reshape): a later fold may make another op the
+    reshape's operand, the one place the program reads the value from (layer_backward)."""
+    op = hlo.ReshapeOp(value.type, value)
+    return op.result, op.operation
 
 
 def _reshaped_from(value):
@@ -102,8 +128,7 @@ def _made_before(values, ops):
 
 def one_gpu(platform, ctx):
     """Whether the program being lowered runs on one GPU: where a dgrad_dact call may follow the
-    wgrad that reads its S. Partitioned, that wgrad's result is all-reduced, and the call would
-    follow the all-reduce, which XLA overlaps with the rest of the backward."""
+    wgrad that reads its S as a value of the program (partitioned, see layer_backward)."""
     return platform == "cuda" and getattr(ctx.module_context.axis_context, "num_devices", 0) == 1
 
 
@@ -116,6 +141,25 @@ def in_place_after(platform, ctx, a, b, s, avals, ddspec):
         return None
     if not _ffi.dgrad_dact_in_place(*avals, **dataclasses.replace(ddspec, in_place=True).ffi_attrs()):
         return None
+    return _follows(ctx, a, b, s)
+
+
+def partitioned_wgrad(ctx, a, b, s, ddspec):
+    """In a partitioned program, the record of the wgrad that reads S (Y of the layer) and that a
+    folded call on (a, b, s) runs in one op with (layer_backward: the wgrad, then the call following
+    it), or None."""
+    if not ddspec.dact.from_y or not partitioned(ctx) or is_argument(s):
+        return None
+    after = _follows(ctx, a, b, s)
+    if not after:
+        return None
+    record = gemm_results(ctx)[after[0][0]]
+    return record if record[4] is not None and not list(record[4].results[0].uses) else None
+
+
+def _follows(ctx, a, b, s):
+    """S's readers lowered so far, as the values of those a call on (a, b, s) must follow (with their
+    avals; none or one), or None where a reader is not a wgrad the call could follow."""
     readers = _readers(s)
     before = _made_before([a, b], readers)
     table = gemm_results(ctx)
@@ -135,11 +179,11 @@ def _gemm_fed(table, op):
     the dot and a convert), if one is recorded; else None. The call follows that result (its
     operand S's reader itself, a transpose, would be made an array of its own)."""
     for _ in range(4):
+        if len(op.results) and op.results[0] in table:  # (a call's first result: our GEMM on the CPU)
+            return op.results[0]
         if len(op.results) != 1:
             return None
         v = op.results[0]
-        if v in table:
-            return v
         uses = list(v.uses)
         if len(uses) != 1:
             return None

@@ -269,7 +269,11 @@ def _fused_rule(base, platform, ctx, *args, cfg):
     outs = base(ctx, *args, cfg=cfg)
     a, b = ctx.avals_in[:2]
     if plain(cfg) and a.ndim == 2 and b.ndim == 2 and cfg.out_sharding is None:
-        _fold.gemm_results(ctx)[outs[0]] = (tuple(args[:2]), (a, b), cfg, ctx.avals_out[0])
+        y, wrapper = outs[0], None
+        if _fold.partitioned(ctx):  # a wgrad a fold may run in one op with its call (_lower_layer_backward)
+            outs = [*outs]
+            outs[0], wrapper = _fold.rewirable(y)
+        _fold.gemm_results(ctx)[y] = (tuple(args[:2]), (a, b), cfg, ctx.avals_out[0], wrapper)
     return outs
 
 
@@ -593,11 +597,16 @@ def _dact_rule(base, platform, ctx, gy, s, *, spec):
     fold across layers written one op at a time, _fold), else `base`."""
     found = _fold.gemm_of(ctx, gy)
     if found is not None:
-        (a, b), (a_aval, b_aval), cfg, _ = found
+        (a, b), (a_aval, b_aval), cfg, *_ = found
         avals = (a_aval, b_aval, ctx.avals_in[1])
         ddspec = _DgradDactSpec(spec, cfg.alpha, cfg.trans_a, cfg.trans_b, cfg.exact_f32)
         same = _out_shape(cfg, a_aval, b_aval) == ctx.avals_in[0].shape and a_aval.dtype == ctx.avals_in[0].dtype
         if same and _dgrad_dact_pick(platform, *avals, spec=ddspec) is _dgrad_dact_lower:
+            wgrad = _fold.partitioned_wgrad(ctx, a, b, s, ddspec)
+            if wgrad is not None:
+                in_place = _ffi.dgrad_dact_in_place(*avals, **dataclasses.replace(ddspec, in_place=True).ffi_attrs())
+                ddspec = dataclasses.replace(ddspec, in_place=platform == "cuda" and in_place)
+                return _lower_layer_backward(ctx, avals, (a, b, s), wgrad, ddspec)
             after = _fold.in_place_after(platform, ctx, a, b, s, avals, ddspec)
             if after is not None:
                 ddspec = dataclasses.replace(ddspec, in_place=True)
@@ -652,13 +661,40 @@ def _dgrad_dact_lower(a, b, s, *after, spec):
 
 def _dgrad_dact_rule(base, platform, ctx, a, b, s, *after, spec):
     """regemm_dgrad_dact's lowering: a call asked to write gZ over S after a value (rg.mlp's, over
-    Y, after the wgrad that reads it) does so only in a program of one GPU (_fold.one_gpu); elsewhere
-    it neither follows the value nor writes over S. Nor over an S the function being lowered takes
-    as an argument (XLA would copy it for the call)."""
+    Y, after the wgrad that reads it) does so in a program of one GPU (_fold.one_gpu); partitioned,
+    it runs as one op with that wgrad (_lower_layer_backward); elsewhere it neither follows the value
+    nor writes over S. Nor over an S the function being lowered takes as an argument (XLA would copy
+    it for the call)."""
+    if after and _fold.partitioned(ctx) and not _fold.is_argument(s):
+        found = _fold.gemm_of(ctx, after[0])
+        wrapper = None if found is None else found[4]
+        if wrapper is not None and wrapper.results[0] == after[0] and not list(after[0].uses):
+            return _lower_layer_backward(ctx, ctx.avals_in[:3], (a, b, s), found, spec)
     if (after and not _fold.one_gpu(platform, ctx)) or (spec.in_place and _fold.is_argument(s)):
         ctx = ctx.replace(avals_in=ctx.avals_in[:3])
         return base(ctx, a, b, s, spec=dataclasses.replace(spec, in_place=False))
     return base(ctx, a, b, s, *after, spec=spec)
+
+
+def _lower_layer_backward(ctx, avals, operands, wgrad, spec):
+    """A folded dgrad_dact call on `operands` and the wgrad recorded as `wgrad` (which reads S) as one
+    partitioned op (_partition.layer_backward: the wgrad, then the call following it); the program then
+    reads the wgrad's result from it (through the wgrad's wrapper, moved after it) and XLA drops the
+    wgrad as lowered first. Returns the call's results."""
+    (wa, wb), w_avals, wcfg, dw_aval, wrapper = wgrad
+
+    def both(a, b, s, wa, wb):
+        gz, gb, dw = _partition.layer_backward(a, b, s, wa, wb, w_alpha=wcfg.alpha, w_trans_a=wcfg.trans_a,
+                                               w_trans_b=wcfg.trans_b, w_exact_f32=wcfg.exact_f32,
+                                               **spec.ffi_attrs())  # fmt: skip
+        return [gz] + ([] if gb is None else [gb]) + [dw]
+
+    sub = ctx.replace(avals_in=(*avals, *w_avals), avals_out=[*ctx.avals_out, dw_aval])
+    outs = mlir.lower_fun(both, multiple_results=True)(sub, *operands, wa, wb)
+    dw = outs[-1][0] if isinstance(outs[-1], (list, tuple)) else outs[-1]
+    wrapper.operands[0] = dw
+    wrapper.move_after(dw.owner)
+    return outs[:-1]
 
 
 _dgrad_dact_p, _dgrad_dact_pick = _epilogue_primitive("regemm_dgrad_dact", _dgrad_dact_ref, _dgrad_dact_lower,
@@ -790,8 +826,8 @@ def _mlp_lin_transpose(cts, *args, spec):
             # fused kernel, the one way that runs in place, is slower than the composed way at
             # some of them (bf16 gelu at K = 512). Y is this layer's input h, which its wgrad
             # above reads: the call then takes that wgrad as an operand it follows, a data
-            # dependence that orders the read first (else XLA copies S for the call); only in
-            # programs of one GPU, which the lowering knows (_dgrad_dact_rule).
+            # dependence that orders the read first (else XLA copies S for the call); on one GPU,
+            # or partitioned as one op with the wgrad, which the lowering decides (_dgrad_dact_rule).
             after = None
             in_place = kinds[l - 1] == "recompute" or (kinds[l - 1] == "y" and out_dws[l] is None)
             ddspec = _DgradDactSpec(dspec, cfg.alpha, False, not tb, cfg.exact_f32, in_place)

@@ -1,4 +1,4 @@
-"""Partitioning rules of the two FFI calls, for jit over a mesh.
+"""Partitioning rules of the FFI calls, for jit over a mesh.
 
 A custom call is opaque to XLA's partitioner: without a rule every device
 gathers its operands and runs the whole call. Each call here is wrapped in
@@ -12,6 +12,10 @@ gathers its operands and runs the whole call. Each call here is wrapped in
   were; this is what XLA does for plain `act(x @ w + b)`.
 - dact: batch, M or N sharded -> local gZ; the bias gradient's local sums are
   summed over the mesh axes of the dims the bias kind reduces.
+- dgrad_dact: planned as the GEMM with S in C's place, the bias gradient as dact's.
+- layer_backward: a layer's wgrad and the dgrad_dact call that follows it (and may
+  write over the S the wgrad reads), as one op: the local wgrad, then the call, then
+  dW summed over the devices that split the rows (below).
 
 On one device, and inside shard_map (every axis manual), the wrapper lowers
 the local function directly: nothing changes there. Operands and results use
@@ -331,10 +335,10 @@ def _dgrad_dact_ffi_attrs(attrs):
     return {k: attrs[k] for k in keys}
 
 
-def _dgrad_dact_local(attrs, a, b, s):
+def _dgrad_dact_local(attrs, a, b, s, after=None):
     kind = attrs["bias_kind"]
     bias_len = _bias_len(kind, s)
-    gz, gbias = _ffi.dgrad_dact(a, b, s, bias_len=bias_len, **_dgrad_dact_ffi_attrs(attrs))
+    gz, gbias = _ffi.dgrad_dact(a, b, s, after, bias_len=bias_len, **_dgrad_dact_ffi_attrs(attrs))
     return (gz, gbias) if kind != "none" else gz
 
 
@@ -351,19 +355,25 @@ def _dgrad_dact_plan(attrs, mesh, arg_infos):
     return arg_specs, gz_spec, gb_spec, k, sum((named[d] for d in _REDUCED[kind]), ())
 
 
+def _dgrad_dact_sharded(attrs, k, gb_spec, reduce_axes, a, b, s, after=None):
+    """A device's share of dgrad_dact: the local call (following `after`), or with K split the whole
+    gY first (act' multiplies it), then dact; the bias gradient summed over the devices."""
+    if k:
+        plain = dict(act="none", slope=0.0, alpha=attrs["alpha"], beta=0.0, trans_a=attrs["trans_a"],
+                     trans_b=attrs["trans_b"], bias_kind="none", store_z=False, exact_f32=attrs["exact_f32"])  # fmt: skip
+        partial_gy, _ = _ffi.gemm(a, b, None, None, **plain)
+        gy = jax.lax.psum(partial_gy.astype(reference._acc_dtype(a.dtype)), k).astype(a.dtype)
+        out = _dact_local(_Attrs({x: attrs[x] for x in ("act", "slope", "from_y", "bias_kind")}), gy, s)
+    else:
+        out = _dgrad_dact_local(attrs, a, b, s, after)
+    return _summed_bias_grad(out, gb_spec, reduce_axes)
+
+
 def _dgrad_dact_partition(attrs, mesh, arg_infos, result_infos):
     arg_specs, gz_spec, gb_spec, k, reduce_axes = _dgrad_dact_plan(attrs, mesh, arg_infos)
 
     def lower(a, b, s):
-        if k:  # K split: the whole gY first (act' multiplies it), then dact
-            plain = dict(act="none", slope=0.0, alpha=attrs["alpha"], beta=0.0, trans_a=attrs["trans_a"],
-                         trans_b=attrs["trans_b"], bias_kind="none", store_z=False, exact_f32=attrs["exact_f32"])  # fmt: skip
-            partial_gy, _ = _ffi.gemm(a, b, None, None, **plain)
-            gy = jax.lax.psum(partial_gy.astype(reference._acc_dtype(a.dtype)), k).astype(a.dtype)
-            out = _dact_local(_Attrs({x: attrs[x] for x in ("act", "slope", "from_y", "bias_kind")}), gy, s)
-        else:
-            out = _dgrad_dact_local(attrs, a, b, s)
-        return _summed_bias_grad(out, gb_spec, reduce_axes)
+        return _dgrad_dact_sharded(attrs, k, gb_spec, reduce_axes, a, b, s)
 
     gz_s = NamedSharding(mesh, gz_spec)
     outs = gz_s if gb_spec is None else (gz_s, NamedSharding(mesh, gb_spec))
@@ -398,3 +408,96 @@ def dgrad_dact(a, b, s, after=None, **attrs):
     attrs = _Attrs(attrs, shapes=(tuple(a.shape), tuple(b.shape), tuple(s.shape)))
     out = _dgrad_dact_cp(attrs, a, b, s)
     return tuple(out) if attrs["bias_kind"] != "none" else (out, None)
+
+
+# ---------------------------------------------------------------------------
+# layer_backward: a layer's wgrad, then the dgrad_dact call that follows it
+# ---------------------------------------------------------------------------
+# dW = w_alpha op(WA) op(WB), the wgrad of the layer above, reads S (Y of the layer
+# below); the dgrad_dact call writes gZ over S on one GPU, following the wgrad. Under
+# the partitioner that order would follow the wgrad's all-reduce, so both run in one
+# partitioned op: its local body runs the local wgrad, the call following it (in place
+# where asked), then sums dW over the devices that split the rows (as XLA does for
+# plain jnp's wgrad, in its dtype) and the bias gradient as dgrad_dact does. Without
+# it, XLA's scheduler may run every layer's dgrad_dact before any wgrad, keeping every
+# layer's Y and gZ at once (results/h100_train_memory_peaks_3edea1e.md). 2-D operands.
+
+
+def _wgrad_dims(attrs):
+    """Where WA and WB keep the contracted rows and their other dim: ((wa rows, wa other), (wb rows, wb other))."""
+    return ((-2, -1) if attrs["w_trans_a"] else (-1, -2)), ((-1, -2) if attrs["w_trans_b"] else (-2, -1))
+
+
+def _layer_backward_plan(attrs, mesh, arg_infos):
+    """(arg specs, gZ spec, gBias spec or None, dW spec, K's mesh axes, the bias gradient's reduced axes, the rows' axes)."""
+    dd_specs, gz_spec, gb_spec, k, reduce_axes = _dgrad_dact_plan(attrs, mesh, arg_infos[:3])
+    rows = _axes(gz_spec[-2])
+    (ra, oa), (rb, ob) = _wgrad_dims(attrs)
+    other_a, other_b = _spec_of(arg_infos[3], 2)[oa], _spec_of(arg_infos[4], 2)[ob]
+    _, other_a, other_b = _dedupe([rows, other_a, other_b])
+    specs = []
+    for r, o, other in ((ra, oa, other_a), (rb, ob, other_b)):
+        entries = [None, None]
+        entries[r], entries[o] = _entry(rows), _entry(other)
+        specs.append(P(*entries))
+    return dd_specs + specs, gz_spec, gb_spec, P(_entry(other_a), _entry(other_b)), k, reduce_axes, rows
+
+
+def _wgrad_local(attrs, wa, wb):
+    from . import _ops  # (the lowering the program gives a plain GEMM on this platform)
+
+    return _ops.matmul(wa, wb, trans_x=attrs["w_trans_a"], trans_y=attrs["w_trans_b"], alpha=attrs["w_alpha"],
+                       exact_f32=attrs["w_exact_f32"])  # fmt: skip
+
+
+def _layer_backward_sharded(attrs, k, gb_spec, reduce_axes, rows, a, b, s, wa, wb):
+    """A device's share: the local wgrad, then the call following it (with K split, the whole gY
+    first: no call to follow, nor one over S), then dW summed over the devices that split the rows."""
+    dw = _wgrad_local(attrs, wa, wb)
+    out = _dgrad_dact_sharded(attrs, k, gb_spec, reduce_axes, a, b, s, None if k else dw)
+    if rows:
+        dw = jax.lax.psum(dw, rows)
+    return (*(out if isinstance(out, tuple) else (out,)), dw)
+
+
+def _layer_backward_partition(attrs, mesh, arg_infos, result_infos):
+    arg_specs, gz_spec, gb_spec, dw_spec, k, reduce_axes, rows = _layer_backward_plan(attrs, mesh, arg_infos)
+    lower = partial(_layer_backward_sharded, attrs, k, gb_spec, reduce_axes, rows)
+
+    shardings = [NamedSharding(mesh, gz_spec)] + ([NamedSharding(mesh, gb_spec)] if gb_spec is not None else [])
+    outs = tuple(shardings + [NamedSharding(mesh, dw_spec)])
+    return mesh, _no_context_mesh(lower), outs, tuple(NamedSharding(mesh, s) for s in arg_specs)
+
+
+def _layer_backward_infer(attrs, mesh, arg_infos, result_infos):
+    _, gz_spec, gb_spec, dw_spec, *_ = _layer_backward_plan(attrs, mesh, arg_infos)
+    outs = [gz_spec] + ([gb_spec] if gb_spec is not None else []) + [dw_spec]
+    return tuple(NamedSharding(mesh, s) for s in outs)
+
+
+def _layer_backward_rule(attrs, mesh, value_types, result_types):
+    ta, tb = attrs["trans_a"], attrs["trans_b"]
+    kind = attrs["bias_kind"]
+    tails = [("k", "m") if ta else ("m", "k"), ("n", "k") if tb else ("k", "n"), ("m", "n"),
+             ("m", "p") if attrs["w_trans_a"] else ("p", "m"), ("q", "m") if attrs["w_trans_b"] else ("m", "q")]  # fmt: skip
+    outs = [("m", "n")] + ([_BIAS_TAIL[kind]] if kind != "none" else []) + [("p", "q")]
+    return _sharding_rule_factors(attrs["shapes"], 0, tails, outs)
+
+
+_layer_backward_cp = custom_partitioning(
+    lambda attrs, *args: _layer_backward_sharded(attrs, (), None, (), (), *args), static_argnums=(0,)
+)
+_layer_backward_cp.def_partition(
+    partition=_layer_backward_partition, infer_sharding_from_operands=_layer_backward_infer,
+    sharding_rule=_layer_backward_rule,
+)  # fmt: skip
+
+
+def layer_backward(a, b, s, wa, wb, *, w_alpha, w_trans_a, w_trans_b, w_exact_f32, **attrs):
+    """(gZ, gBias or None, dW): dW = w_alpha op(WA) op(WB), then _ffi.dgrad_dact(a, b, s) following it
+    (writing gZ over S where attrs["in_place"]), partitioned over the mesh as one op. 2-D operands."""
+    args = (a, b, s, wa, wb)
+    attrs = _Attrs(attrs, w_alpha=float(w_alpha), w_trans_a=bool(w_trans_a), w_trans_b=bool(w_trans_b),
+                   w_exact_f32=bool(w_exact_f32), shapes=tuple(tuple(x.shape) for x in args))  # fmt: skip
+    out = tuple(_layer_backward_cp(attrs, *args))
+    return out if attrs["bias_kind"] != "none" else (out[0], None, out[1])

@@ -230,8 +230,11 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 import jax, jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P, AxisType
 import jax_regemm as rg
-from jax_regemm import _ffi
+from jax_regemm import _ffi, _partition
 _ffi._in_place = lambda platform, target, avals, attrs: {2: 0} if platform == "cuda" and target == _ffi.DGRAD_DACT_TARGET else {}
+ops = []
+_lb = _partition.layer_backward
+_partition.layer_backward = lambda *a, **k: (ops.append(k["in_place"]), _lb(*a, **k))[1]
 m, d = 4096, 1024
 ws, bs = [jnp.ones((d, d)) / d] * 4, [jnp.zeros(d)] * 4
 dense = lambda x, ws, bs: [x := rg.dense(x, w, b, act="relu" if i < 3 else "none") for i, (w, b) in enumerate(zip(ws, bs))][-1]
@@ -239,28 +242,88 @@ mesh = jax.make_mesh((2,), ("d",), axis_types=(AxisType.Auto,))
 for name, block in (("mlp", lambda x, ws, bs: rg.mlp(x, ws, bs, act="relu")), ("dense", dense)):
     for where, x in (("one", jnp.ones((m, d))), ("two", jax.device_put(jnp.ones((m, d)), NamedSharding(mesh, P("d"))))):
         f = jax.grad(lambda x, ws, bs: jnp.sum(block(x, ws, bs) ** 2), argnums=(1, 2))
-        text = jax.jit(f).trace(x, ws, bs).lower(lowering_platforms=("cuda",)).as_text()
+        ops.clear()
+        lowered = jax.jit(f).trace(x, ws, bs).lower(lowering_platforms=("cuda",))
+        assert lowered.compiler_ir().operation.verify()  # (the wgrad's result read after the op that makes it)
+        text = lowered.as_text()
         operands = lambda target: sorted({l.split("(", 1)[1].split(")")[0].count("%") for l in text.splitlines()
                                           if f"@{target}(" in l})  # partitioned: in JAX's partitioner calls
         print(name, where, text.count("@regemm_dgrad_dact_v1("), text.count("output_operand_aliases"),
-              operands("regemm_dgrad_dact_v1"), operands("CustomSPMDPartitioning"))
+              operands("regemm_dgrad_dact_v1"), operands("CustomSPMDPartitioning"), "".join("FT"[x] for x in ops))
 """
 
 
-def test_gz_over_y_only_in_programs_of_one_gpu(tmp_path):
+def test_gz_over_y_after_the_wgrad_on_one_gpu_and_partitioned(tmp_path):
     """rg.mlp's and the fold's dgrad_dact calls lowered for CUDA (the CUDA module's in-place answer
     stubbed, two host devices): over Y, after the wgrad (a fourth operand), in a program of one
-    device, whatever the process's device count; partitioned over two devices, neither."""
+    device, whatever the process's device count; partitioned over two devices, each call is one
+    partitioner op with the wgrad (_partition.layer_backward: five operands, asked to write over Y),
+    and the program stays valid where it reads the wgrad's result from that op."""
     import subprocess
     import sys
 
     proc = subprocess.run([sys.executable, "-c", _ONE_GPU_SCRIPT], capture_output=True, text=True, timeout=300,
                           cwd=tmp_path)  # the installed package, not the source tree  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
-    got = {tuple(line.split()[:2]): line.split(None, 2)[2] for line in proc.stdout.splitlines()}
+    got = {tuple(line.split()[:2]): line.split(None, 2)[2].strip() for line in proc.stdout.splitlines()}
     for name in ("mlp", "dense"):
         assert got[(name, "one")] == "3 3 [4] []", got
-        assert got[(name, "two")] == "0 0 [] [3]", got  # each op a partitioner call of its three operands
+        assert got[(name, "two")] == "0 0 [] [3, 5] TTT", got  # the forward's ops of three operands, then ours
+
+
+_PARTITIONED_SCRIPT = r"""
+import os
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
+os.environ["JAX_PLATFORMS"] = "cpu"
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P, AxisType
+import jax_regemm as rg
+from jax_regemm import _ffi, _partition
+_ffi.dgrad_dact_in_place = lambda *a, **k: True  # as the CUDA module answers where the fused kernel runs
+calls = []
+_lb = _partition.layer_backward
+_partition.layer_backward = lambda *a, **k: (calls.append(k["in_place"]), _lb(*a, **k))[1]
+rng = np.random.default_rng(0)
+m, d, layers = 64, 32, 4
+ws = [jnp.asarray(rng.standard_normal((d, d)) / 6, jnp.float32) for _ in range(layers)]
+bs = [jnp.asarray(rng.standard_normal(d) / 6, jnp.float32) for _ in range(layers)]
+x = jnp.asarray(rng.standard_normal((m, d)), jnp.float32)
+def dense(x, ws, bs, bias=True):
+    for i, (w, b) in enumerate(zip(ws, bs)):
+        x = rg.dense(x, w, b if bias else None, act="relu" if i < layers - 1 else "none")
+    return x
+blocks = {"dense": dense, "dense_nobias": lambda x, ws, bs: dense(x, ws, bs, False),
+          "mlp": lambda x, ws, bs: rg.mlp(x, ws, bs, act="relu")}
+meshes = {"data2": (jax.make_mesh((2,), ("d",), axis_types=(AxisType.Auto,)), P("d"), P()),
+          "data2_model2": (jax.make_mesh((2, 2), ("d", "t"), axis_types=(AxisType.Auto,) * 2), P("d"), P(None, "t"))}
+for name, block in blocks.items():
+    f = jax.jit(jax.grad(lambda x, ws, bs: jnp.sum(block(x, ws, bs) ** 2), argnums=(0, 1, 2)))
+    want = f(x, ws, bs)
+    for mname, (mesh, xs, wspec) in meshes.items():
+        calls.clear()
+        put = lambda v, s: jax.device_put(v, NamedSharding(mesh, s))
+        got = f(put(x, xs), [put(w, wspec) for w in ws], bs)
+        err = max(float(jnp.linalg.norm(g - w) / jnp.linalg.norm(w)) for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
+        print(name, mname, len(calls), all(calls), f"{err:.1e}")
+"""
+
+
+def test_partitioned_layer_backward_matches_one_device(tmp_path):
+    """On four host devices, the backward of relu layers (rg.dense with and without bias, rg.mlp)
+    with the batch sharded, and with the weights' columns sharded too (the dgrad GEMM's K split): each
+    folded call runs with the wgrad that reads its S as one partitioned op (rg.mlp's asked to write
+    over S, as the CUDA module would allow), and the gradients match the one-device program's."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _PARTITIONED_SCRIPT], capture_output=True, text=True, timeout=300,
+                          cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    lines = [line.split() for line in proc.stdout.splitlines()]
+    assert len(lines) == 6, proc.stdout
+    for name, mesh, ops, in_place, err in lines:
+        assert ops == "3" and in_place == str(name == "mlp"), (name, mesh, ops, in_place)
+        assert float(err) < 1e-5, (name, mesh, err)
 
 
 def test_mlp_bf16_grads_deep():
