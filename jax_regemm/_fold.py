@@ -154,7 +154,13 @@ def partitioned_wgrad(ctx, a, b, s, ddspec):
     if not after:
         return None
     record = gemm_results(ctx)[after[0][0]]
-    return record if record[4] is not None and not list(record[4].results[0].uses) else None
+    return record if rewirable_now(record) else None
+
+
+def rewirable_now(record):
+    """Whether a GEMM record's wrapper (rewirable) exists and nothing has read it yet: its operand
+    may still become another op's result."""
+    return record[4] is not None and not list(record[4].results[0].uses)
 
 
 def _follows(ctx, a, b, s):

@@ -604,9 +604,9 @@ def _dact_rule(base, platform, ctx, gy, s, *, spec):
         if same and _dgrad_dact_pick(platform, *avals, spec=ddspec) is _dgrad_dact_lower:
             wgrad = _fold.partitioned_wgrad(ctx, a, b, s, ddspec)
             if wgrad is not None:
-                in_place = _ffi.dgrad_dact_in_place(*avals, **dataclasses.replace(ddspec, in_place=True).ffi_attrs())
-                ddspec = dataclasses.replace(ddspec, in_place=platform == "cuda" and in_place)
-                return _lower_layer_backward(ctx, avals, (a, b, s), wgrad, ddspec)
+                asked = dataclasses.replace(ddspec, in_place=True)
+                in_place = platform == "cuda" and _ffi.dgrad_dact_in_place(*avals, **asked.ffi_attrs())
+                return _lower_layer_backward(ctx, avals, (a, b, s), wgrad, asked if in_place else ddspec)
             after = _fold.in_place_after(platform, ctx, a, b, s, avals, ddspec)
             if after is not None:
                 ddspec = dataclasses.replace(ddspec, in_place=True)
@@ -667,8 +667,7 @@ def _dgrad_dact_rule(base, platform, ctx, a, b, s, *after, spec):
     it for the call)."""
     if after and _fold.partitioned(ctx) and not _fold.is_argument(s):
         found = _fold.gemm_of(ctx, after[0])
-        wrapper = None if found is None else found[4]
-        if wrapper is not None and wrapper.results[0] == after[0] and not list(after[0].uses):
+        if found is not None and _fold.rewirable_now(found) and found[4].results[0] == after[0]:
             return _lower_layer_backward(ctx, ctx.avals_in[:3], (a, b, s), found, spec)
     if (after and not _fold.one_gpu(platform, ctx)) or (spec.in_place and _fold.is_argument(s)):
         ctx = ctx.replace(avals_in=ctx.avals_in[:3])
