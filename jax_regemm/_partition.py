@@ -428,6 +428,16 @@ def _wgrad_dims(attrs):
     return ((-2, -1) if attrs["w_trans_a"] else (-1, -2)), ((-1, -2) if attrs["w_trans_b"] else (-2, -1))
 
 
+def _wgrad_tails(attrs):
+    """The rule's factors of WA and WB: the contracted rows m (gZ's rows), dW's dims p and q."""
+    tails = []
+    for (r, o), other in zip(_wgrad_dims(attrs), ("p", "q")):
+        tail = [None, None]
+        tail[r], tail[o] = "m", other
+        tails.append(tuple(tail))
+    return tails
+
+
 def _layer_backward_plan(attrs, mesh, arg_infos):
     """(arg specs, gZ spec, gBias spec or None, dW spec, K's mesh axes, the bias gradient's reduced axes, the rows' axes)."""
     dd_specs, gz_spec, gb_spec, k, reduce_axes = _dgrad_dact_plan(attrs, mesh, arg_infos[:3])
@@ -464,24 +474,26 @@ def _layer_backward_partition(attrs, mesh, arg_infos, result_infos):
     arg_specs, gz_spec, gb_spec, dw_spec, k, reduce_axes, rows = _layer_backward_plan(attrs, mesh, arg_infos)
     lower = partial(_layer_backward_sharded, attrs, k, gb_spec, reduce_axes, rows)
 
-    shardings = [NamedSharding(mesh, gz_spec)] + ([NamedSharding(mesh, gb_spec)] if gb_spec is not None else [])
-    outs = tuple(shardings + [NamedSharding(mesh, dw_spec)])
+    outs = _layer_backward_out_shardings(mesh, gz_spec, gb_spec, dw_spec)
     return mesh, _no_context_mesh(lower), outs, tuple(NamedSharding(mesh, s) for s in arg_specs)
+
+
+def _layer_backward_out_shardings(mesh, gz_spec, gb_spec, dw_spec):
+    return tuple(NamedSharding(mesh, s) for s in [gz_spec, *([] if gb_spec is None else [gb_spec]), dw_spec])
 
 
 def _layer_backward_infer(attrs, mesh, arg_infos, result_infos):
     _, gz_spec, gb_spec, dw_spec, *_ = _layer_backward_plan(attrs, mesh, arg_infos)
-    outs = [gz_spec] + ([gb_spec] if gb_spec is not None else []) + [dw_spec]
-    return tuple(NamedSharding(mesh, s) for s in outs)
+    return _layer_backward_out_shardings(mesh, gz_spec, gb_spec, dw_spec)
 
 
 def _layer_backward_rule(attrs, mesh, value_types, result_types):
-    ta, tb = attrs["trans_a"], attrs["trans_b"]
+    """dgrad_dact's factors (A, B, S), then the wgrad's (_wgrad_tails); results gZ, gBias, dW."""
+    shapes = attrs["shapes"]
     kind = attrs["bias_kind"]
-    tails = [("k", "m") if ta else ("m", "k"), ("n", "k") if tb else ("k", "n"), ("m", "n"),
-             ("m", "p") if attrs["w_trans_a"] else ("p", "m"), ("q", "m") if attrs["w_trans_b"] else ("m", "q")]  # fmt: skip
+    tails = _gemm_tails(dict(attrs, has_bias=False, has_c=True), shapes[:3]) + _wgrad_tails(attrs)
     outs = [("m", "n")] + ([_BIAS_TAIL[kind]] if kind != "none" else []) + [("p", "q")]
-    return _sharding_rule_factors(attrs["shapes"], 0, tails, outs)
+    return _sharding_rule_factors(shapes, 0, tails, outs)
 
 
 _layer_backward_cp = custom_partitioning(
