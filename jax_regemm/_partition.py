@@ -278,13 +278,19 @@ def _dact_plan(attrs, mesh, arg_infos):
 
 def _summed_bias_grad(out, gb_spec, reduce_axes):
     """A local call's (gZ, gBias) with gBias summed over the mesh axes of the dims it reduces
-    (the whole sum spans the devices along those dims); gZ alone where there is no bias."""
+    (the whole sum spans the devices along those dims); gZ alone where there is no bias.
+
+    Summed in gBias's own dtype, as plain jnp's bias gradient is: XLA combines those sums with
+    the weight gradients' all-reduce. Summed in f32 they made a second combined all-reduce,
+    complete only after the backward's last call, which split the step's CUDA graphs around
+    it. Each device's gBias is already in its dtype (the call accumulates in f32 and rounds
+    once), so over two devices the result is the same either way (one addition, rounded once);
+    over more, NCCL rounds at each step of its ring, as in plain jnp's program."""
     if gb_spec is None:
         return out
     gz, gbias = out
     if reduce_axes:
-        acc = reference._acc_dtype(gbias.dtype)
-        gbias = jax.lax.psum(gbias.astype(acc), reduce_axes).astype(gbias.dtype)
+        gbias = jax.lax.psum(gbias, reduce_axes)
     return gz, gbias
 
 

@@ -337,6 +337,30 @@ def test_partitioned_layer_backward_matches_one_device(tmp_path):
         assert float(err) < 1e-5, (name, mesh, err)
 
 
+def test_partitioned_bias_gradient_summed_in_its_dtype():
+    """A partitioned call's bias gradient is summed over devices in its own dtype, as plain jnp's is
+    (XLA then combines it with the weight gradients' all-reduce), not in f32: a bf16 psum, no convert."""
+    from jax.sharding import AxisType, PartitionSpec as P
+
+    from jax_regemm import _partition
+
+    mesh = jax.make_mesh((1,), ("d",), axis_types=(AxisType.Auto,))
+    f = jax.shard_map(lambda gz, gb: _partition._summed_bias_grad((gz, gb), P(), ("d",)), mesh=mesh,
+                      in_specs=(P("d"), P()), out_specs=(P("d"), P()))  # fmt: skip
+    jaxpr = jax.make_jaxpr(f)(jnp.ones((8, 4), jnp.bfloat16), jnp.ones((4,), jnp.bfloat16)).jaxpr
+
+    def eqns(j):
+        for e in j.eqns:
+            yield e
+            for v in e.params.values():
+                yield from eqns(v) if hasattr(v, "eqns") else eqns(v.jaxpr) if hasattr(v, "jaxpr") else ()
+
+    names = [(e.primitive.name, [v.aval.dtype for v in e.invars]) for e in eqns(jaxpr)]
+    sums = [dtypes for name, dtypes in names if name.startswith("psum")]
+    assert sums == [[jnp.bfloat16]], names
+    assert not any(name == "convert_element_type" for name, _ in names), names
+
+
 def test_mlp_bf16_grads_deep():
     """Five bf16 layers: the folded backward's gradients against the f32 reference."""
     k = jax.random.split(jax.random.PRNGKey(7), 2)
