@@ -506,7 +506,7 @@ def backward(cfg: Config, a, b, gy, s, from_y, gz_extra=None, need=(True, True, 
     if gz_extra is not None:  # the caller also differentiates through Z
         gz, gbias = gz + gz_extra, None
     if want_bias and gbias is None:
-        gbias = reference.bias_grad(gz, cfg.bias_kind)
+        gbias = bias_grad(gz, cfg.bias_kind)
 
     # op(A) [M,K], op(B) [K,N]: g op(A) = alpha gZ op(B)^T, g op(B) = alpha op(A)^T gZ,
     # mapped back through the transposes without materialising any of them.
@@ -623,6 +623,33 @@ def dact(spec: _DactSpec, gy, s):
     """(gZ, gBias or None)."""
     outs = _dact_p.bind(*_same_varying_axes([gy, s]), spec=spec)
     return (outs[0], outs[1] if len(outs) > 1 else None)
+
+
+# ---------------------------------------------------------------------------
+# regemm_bias_grad: a bias gradient that no call makes
+# ---------------------------------------------------------------------------
+# A layer of act none has gZ = gY and no backward epilogue: its bias gradient is
+# reference.bias_grad, a primitive only so that it lowers behind its partitioning rule
+# (summed over devices in its dtype, with the weight gradients: _partition.bias_grad).
+
+
+def _bias_grad_ref(gz, *, kind):
+    return [reference.bias_grad(gz, kind)]
+
+
+def _bias_grad_lower(gz, *, kind):
+    return [_partition.bias_grad(gz, kind)]
+
+
+_bias_grad_p = _primitive("regemm_bias_grad", _bias_grad_ref, _bias_grad_lower)
+ad.primitive_jvps[_bias_grad_p] = lambda primals, tangents, *, kind: (  # linear: its tangent in plain JAX
+    _bias_grad_p.bind(*primals, kind=kind), _bias_grad_ref(ad.instantiate_zeros(tangents[0]), kind=kind))
+batching.primitive_batchers[_bias_grad_p] = lambda args, dims, *, kind: (_bias_grad_p.bind(_lead(args[0], dims[0]), kind=kind), [0])
+
+
+def bias_grad(gz, kind):
+    """reference.bias_grad(gz, kind), partitioned as the calls' bias gradients are."""
+    return _bias_grad_p.bind(gz, kind=kind)[0]
 
 
 # ---------------------------------------------------------------------------
@@ -799,7 +826,7 @@ def _mlp_lin_transpose(cts, *args, spec):
         cfg, (h, w, s, b) = spec.cfgs[l], layers[l]
         if undefined(dbs[l]):
             if gb is None:
-                gb = reference.bias_grad(gz, "per_col")
+                gb = bias_grad(gz, "per_col")
             out_dbs[l] = jnp.reshape(gb, dbs[l].aval.shape)
         mm = partial(_mm_typed, alpha=cfg.alpha, exact_f32=cfg.exact_f32)
         tb = cfg.trans_b  # W stored [N, K]: op(W) = W^T

@@ -11,7 +11,8 @@ gathers its operands and runs the whole call. Each call here is wrapped in
   which must see the reduced Z. The output is sharded as the batch, M and N
   were; this is what XLA does for plain `act(x @ w + b)`.
 - dact: batch, M or N sharded -> local gZ; the bias gradient's local sums are
-  summed over the mesh axes of the dims the bias kind reduces.
+  summed over the mesh axes of the dims the bias kind reduces, in its dtype.
+- bias_grad (no call: a layer of act none): the local sums, summed as dact's.
 - dgrad_dact: planned as the GEMM with S in C's place, the bias gradient as dact's.
 - layer_backward: a layer's wgrad and the dgrad_dact call that follows it (and may
   write over the S the wgrad reads), as one op: the local wgrad, then the call, then
@@ -263,8 +264,8 @@ def _dact_plan(attrs, mesh, arg_infos):
     shapes = [tuple(x.shape) for x in arg_infos]
     nb = len(shapes[0]) - 2
     specs = [_spec_of(x, len(s)) for x, s in zip(arg_infos, shapes)]
-    m = specs[0][-2] if specs[0][-2] == specs[1][-2] else ()
-    n = specs[0][-1] if specs[0][-1] == specs[1][-1] else ()
+    m = specs[0][-2] if all(sp[-2] == specs[0][-2] for sp in specs) else ()
+    n = specs[0][-1] if all(sp[-1] == specs[0][-1] for sp in specs) else ()
     batch = _batch_specs(shapes, specs, nb)
     *batch, m, n = _dedupe(batch + [m, n])
     named = {"m": m, "n": n, "s": ()}
@@ -276,22 +277,26 @@ def _dact_plan(attrs, mesh, arg_infos):
     return arg_specs, gz_spec, gb_spec, reduce_axes
 
 
-def _summed_bias_grad(out, gb_spec, reduce_axes):
-    """A local call's (gZ, gBias) with gBias summed over the mesh axes of the dims it reduces
-    (the whole sum spans the devices along those dims); gZ alone where there is no bias.
+def _device_sum(gbias, reduce_axes):
+    """A local bias gradient summed over the mesh axes of the dims it reduces (the whole sum spans
+    the devices along those dims).
 
     Summed in gBias's own dtype, as plain jnp's bias gradient is: XLA combines those sums with
     the weight gradients' all-reduce. Summed in f32 they made a second combined all-reduce,
     complete only after the backward's last call, which split the step's CUDA graphs around
-    it. Each device's gBias is already in its dtype (the call accumulates in f32 and rounds
-    once), so over two devices the result is the same either way (one addition, rounded once);
-    over more, NCCL rounds at each step of its ring, as in plain jnp's program."""
+    it. Each device's gBias is already in its dtype (accumulated in f32 and rounded once), so
+    over two devices the result is one addition rounded once; over more, NCCL rounds at each
+    step of its ring, as in plain jnp's program."""
+    return jax.lax.psum(gbias, reduce_axes) if reduce_axes else gbias
+
+
+def _summed_bias_grad(out, gb_spec, reduce_axes):
+    """A local call's (gZ, gBias) with gBias summed over the devices (_device_sum); gZ alone where
+    there is no bias."""
     if gb_spec is None:
         return out
     gz, gbias = out
-    if reduce_axes:
-        gbias = jax.lax.psum(gbias, reduce_axes)
-    return gz, gbias
+    return gz, _device_sum(gbias, reduce_axes)
 
 
 def _dact_partition(attrs, mesh, arg_infos, result_infos):
@@ -325,6 +330,47 @@ def dact(gy, s, **attrs):
     attrs = _Attrs(attrs, shapes=(tuple(gy.shape), tuple(s.shape)))
     out = _dact_cp(attrs, gy, s)
     return tuple(out) if attrs["bias_kind"] != "none" else (out, None)
+
+
+# ---------------------------------------------------------------------------
+# bias_grad: a bias gradient no call makes (a layer of act none, whose gZ is its cotangent)
+# ---------------------------------------------------------------------------
+# reference.bias_grad, planned as dact with gZ alone: each device sums its rows, then
+# _device_sum. Left to XLA's partitioner, the f32 two-stage sum's second stage crossed the
+# devices in f32, an all-reduce apart from the bf16 weight gradients'.
+
+
+def _bias_grad_local(attrs, gz):
+    return reference.bias_grad(gz, attrs["bias_kind"])
+
+
+def _bias_grad_partition(attrs, mesh, arg_infos, result_infos):
+    arg_specs, _, gb_spec, reduce_axes = _dact_plan(attrs, mesh, arg_infos)
+
+    def lower(gz):
+        return _device_sum(_bias_grad_local(attrs, gz), reduce_axes)
+
+    return mesh, _no_context_mesh(lower), NamedSharding(mesh, gb_spec), (NamedSharding(mesh, arg_specs[0]),)
+
+
+def _bias_grad_infer(attrs, mesh, arg_infos, result_infos):
+    return NamedSharding(mesh, _dact_plan(attrs, mesh, arg_infos)[2])
+
+
+def _bias_grad_rule(attrs, mesh, value_types, result_types):
+    (shape,) = attrs["shapes"]
+    return _sharding_rule_factors([shape], len(shape) - 2, [("m", "n")], [_BIAS_TAIL[attrs["bias_kind"]]])
+
+
+_bias_grad_cp = custom_partitioning(lambda attrs, gz: _bias_grad_local(attrs, gz), static_argnums=(0,))
+_bias_grad_cp.def_partition(
+    partition=_bias_grad_partition, infer_sharding_from_operands=_bias_grad_infer, sharding_rule=_bias_grad_rule
+)
+
+
+def bias_grad(gz, kind):
+    """reference.bias_grad, partitioned over the mesh: [..., L] in gZ's dtype."""
+    return _bias_grad_cp(_Attrs(bias_kind=kind, shapes=(tuple(gz.shape),)), gz)
 
 
 # ---------------------------------------------------------------------------

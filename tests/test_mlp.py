@@ -268,7 +268,8 @@ def test_gz_over_y_after_the_wgrad_on_one_gpu_and_partitioned(tmp_path):
     got = {tuple(line.split()[:2]): line.split(None, 2)[2].strip() for line in proc.stdout.splitlines()}
     for name in ("mlp", "dense"):
         assert got[(name, "one")] == "3 3 [4] []", got
-        assert got[(name, "two")] == "0 0 [] [3, 5] TTT", got  # the forward's ops of three operands, then ours
+        # the top layer's bias gradient (one operand), the forward's ops of three operands, then ours
+        assert got[(name, "two")] == "0 0 [] [1, 3, 5] TTT", got
 
 
 _PARTITIONED_SCRIPT = r"""
@@ -337,28 +338,53 @@ def test_partitioned_layer_backward_matches_one_device(tmp_path):
         assert float(err) < 1e-5, (name, mesh, err)
 
 
+def _eqns(jaxpr):
+    for e in jaxpr.eqns:
+        yield e
+        for v in e.params.values():
+            yield from _eqns(v) if hasattr(v, "eqns") else _eqns(v.jaxpr) if hasattr(v, "jaxpr") else ()
+
+
 def test_partitioned_bias_gradient_summed_in_its_dtype():
-    """A partitioned call's bias gradient is summed over devices in its own dtype, as plain jnp's is
-    (XLA then combines it with the weight gradients' all-reduce), not in f32: a bf16 psum, no convert."""
-    from jax.sharding import AxisType, PartitionSpec as P
+    """Partitioned, a bias gradient is summed over devices in its own dtype, as plain jnp's is (XLA then
+    combines it with the weight gradients' all-reduce), not in f32: a call's (dact, dgrad_dact) and the one no
+    call makes (a layer of act none, _partition.bias_grad), whose local sum accumulates in f32."""
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
     from jax_regemm import _partition
 
     mesh = jax.make_mesh((1,), ("d",), axis_types=(AxisType.Auto,))
-    f = jax.shard_map(lambda gz, gb: _partition._summed_bias_grad((gz, gb), P(), ("d",)), mesh=mesh,
-                      in_specs=(P("d"), P()), out_specs=(P("d"), P()))  # fmt: skip
-    jaxpr = jax.make_jaxpr(f)(jnp.ones((8, 4), jnp.bfloat16), jnp.ones((4,), jnp.bfloat16)).jaxpr
+    gz, gb = jnp.ones((1024, 8), jnp.bfloat16), jnp.ones((8,), jnp.bfloat16)
+    call = lambda gz, gb: _partition._summed_bias_grad((gz, gb), P(), ("d",))[1]
+    info = jax.ShapeDtypeStruct(gz.shape, gz.dtype, sharding=NamedSharding(mesh, P("d")))
+    attrs = _partition._Attrs(bias_kind="per_col", shapes=(gz.shape,))
+    _, none_layer, out, _ = _partition._bias_grad_partition(attrs, mesh, (info,), None)
+    assert out.spec == P(None)
+    for name, local in (("call", call), ("act none", lambda gz, gb: none_layer(gz))):
+        f = jax.shard_map(local, mesh=mesh, in_specs=(P("d"), P()), out_specs=P())
+        eqns = [(e.primitive.name, [v.aval.dtype for v in e.invars]) for e in _eqns(jax.make_jaxpr(f)(gz, gb).jaxpr)]
+        assert [dtypes for n, dtypes in eqns if n.startswith("psum")] == [[jnp.bfloat16]], (name, eqns)
+        if name == "call":
+            assert not any(n == "convert_element_type" for n, _ in eqns), eqns
 
-    def eqns(j):
-        for e in j.eqns:
-            yield e
-            for v in e.params.values():
-                yield from eqns(v) if hasattr(v, "eqns") else eqns(v.jaxpr) if hasattr(v, "jaxpr") else ()
 
-    names = [(e.primitive.name, [v.aval.dtype for v in e.invars]) for e in eqns(jaxpr)]
-    sums = [dtypes for name, dtypes in names if name.startswith("psum")]
-    assert sums == [[jnp.bfloat16]], names
-    assert not any(name == "convert_element_type" for name, _ in names), names
+@pytest.mark.parametrize("block", ["mlp", "dense"])
+def test_act_none_bias_gradient_is_the_partitioned_op(block):
+    """The top layer of act none takes its bias gradient from regemm_bias_grad (partitioned as the calls'),
+    in rg.mlp's backward and in a layer's, and it is reference.bias_grad's."""
+    k = jax.random.split(jax.random.PRNGKey(11), 3)
+    x = jax.random.normal(k[0], (64, 32), jnp.float32)
+    w = jax.random.normal(k[1], (32, 32), jnp.float32) / 6
+    b = jax.random.normal(k[2], (32,), jnp.float32)
+    if block == "mlp":
+        f = lambda b: jnp.sum(rg.mlp(x, [w, w], [b, b], act="relu") ** 2)
+    else:
+        f = lambda b: jnp.sum(rg.dense(rg.dense(x, w, b, act="relu"), w, b, act="none") ** 2)
+    names = [e.primitive.name for e in _eqns(jax.make_jaxpr(jax.grad(f))(b).jaxpr)]
+    assert names.count("regemm_bias_grad") == 1, names
+    want = jax.grad(lambda b: jnp.sum((jax.nn.relu(x @ w + b) @ w + b) ** 2))(b)
+    got = jax.grad(f)(b)
+    assert float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want)) < 1e-2  # TF32 on a GPU
 
 
 def test_mlp_bf16_grads_deep():
