@@ -1,4 +1,4 @@
-"""The differentiable ops: three JAX primitives around the FFI calls.
+"""The differentiable ops: JAX primitives around the FFI calls.
 
 - `regemm_fused`: Y (, Z) = act(alpha op(A) op(B) + beta C + bias), the fused
   forward GEMM. A plain GEMM is the same op with act none.
@@ -15,6 +15,8 @@
   plain GEMM lowered in the same program (the dgrad of the layer above, in a
   stack of separate layers), it lowers as `regemm_dgrad_dact`, the GEMM with
   this epilogue, as `rg.mlp`'s backward runs it.
+- `regemm_bias_grad`: the bias gradient of a layer of act none, which no call
+  makes (its gZ is gY): the reference's sum, behind a partitioning rule.
 
 Each primitive has a plain-JAX reference (`_fused_ref`, `_lin_ref`,
 `_dact_ref`): the output types (shapes, shardings in types, shard_map's
