@@ -114,10 +114,11 @@ def make_step(model, opt):
 def wall_ms(steps, x, y, n=30, repeats=5, envs=None):
     """{side: (compiled step, (params, opt_state))} -> {side: median ms per step of a
     pipelined loop of n steps}, each side's loops run with envs[side] = (VAR, VALUE)
-    set, if given. The sides' loops take turns, repeat by repeat: run
-    one side's loops after the other's and the later side meets a hotter GPU (on an
-    H100 the 4096x4096x4 bf16 loops run at the power cap, the SM clock at 1590-1725
-    MHz instead of 1980), which cost the last side up to 4% a step."""
+    set, if given. The sides' loops take turns, repeat by repeat: run one side's loops
+    after the other's and the later side meets a hotter GPU (on an H100 the 4096x4096x4
+    bf16 loops run at the power cap, the SM clock at 1590-1725 MHz instead of 1980),
+    which cost the last side up to 4% a step. The order is a fresh shuffle each repeat,
+    so that no side always follows the same one."""
     envs = envs or {}
     state = {}
     for side, (step, (params, opt_state)) in steps.items():
@@ -128,8 +129,10 @@ def wall_ms(steps, x, y, n=30, repeats=5, envs=None):
             jax.block_until_ready(l)
         state[side] = (params, opt_state)
     ts = {side: [] for side in steps}
+    order = np.random.default_rng(0)
     for _ in range(repeats):
-        for side, (step, _) in steps.items():
+        for side in order.permutation(list(steps)):
+            step = steps[side][0]
             params, opt_state = state[side]
             with _env(*envs.get(side, ("", ""))):
                 t0 = time.perf_counter()
