@@ -139,9 +139,16 @@ def in_place_after(platform, ctx, a, b, s, avals, ddspec):
         return None
     if is_argument(s):
         return None
-    if not _ffi.dgrad_dact_in_place(*avals, **dataclasses.replace(ddspec, in_place=True).ffi_attrs()):
+    if not writes_over_s(platform, avals, ddspec):
         return None
     return _follows(ctx, a, b, s)
+
+
+def writes_over_s(platform, avals, ddspec):
+    """Whether a dgrad_dact call on these operands, asked to, writes gZ over S (the CUDA module
+    says which of its ways can)."""
+    asked = dataclasses.replace(ddspec, in_place=True)
+    return platform == "cuda" and _ffi.dgrad_dact_in_place(*avals, **asked.ffi_attrs())
 
 
 def partitioned_wgrad(ctx, a, b, s, ddspec):

@@ -606,9 +606,8 @@ def _dact_rule(base, platform, ctx, gy, s, *, spec):
         if same and _dgrad_dact_pick(platform, *avals, spec=ddspec) is _dgrad_dact_lower:
             wgrad = _fold.partitioned_wgrad(ctx, a, b, s, ddspec)
             if wgrad is not None:
-                asked = dataclasses.replace(ddspec, in_place=True)
-                in_place = platform == "cuda" and _ffi.dgrad_dact_in_place(*avals, **asked.ffi_attrs())
-                return _lower_layer_backward(ctx, avals, (a, b, s), wgrad, asked if in_place else ddspec)
+                ddspec = dataclasses.replace(ddspec, in_place=_fold.writes_over_s(platform, avals, ddspec))
+                return _lower_layer_backward(ctx, avals, (a, b, s), wgrad, ddspec)
             after = _fold.in_place_after(platform, ctx, a, b, s, avals, ddspec)
             if after is not None:
                 ddspec = dataclasses.replace(ddspec, in_place=True)

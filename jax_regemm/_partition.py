@@ -29,7 +29,6 @@ from __future__ import annotations
 from functools import partial
 
 import jax
-import jax.numpy as jnp
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -79,7 +78,6 @@ def _batch_specs(shapes, specs, nb):
 
 def _operand_spec(shape, batch, tail):
     """Spec of an operand: the batch axes where its dim is not broadcast, then its own dims."""
-    nb = len(batch)
     return P(*[_entry(b) if shape[i] != 1 else None for i, b in enumerate(batch)], *[_entry(t) for t in tail])
 
 
@@ -183,12 +181,19 @@ def _gemm_k_sharded(attrs, k_axes, *args):
     a, b, *rest = args
     bias = rest.pop(0) if attrs["has_bias"] else None
     c = rest.pop(0) if attrs["has_c"] else None
-    plain = dict(_gemm_ffi_attrs(attrs), act="none", beta=0.0, bias_kind="none", store_z=False)
-    partial_z, _ = _ffi.gemm(a, b, None, None, **plain)
-    z = jax.lax.psum(partial_z.astype(reference._acc_dtype(a.dtype)), k_axes)
+    z = _k_summed_product(attrs, k_axes, a, b)
     y, z = epilogue(z, bias, c, act=attrs["act"], slope=attrs["slope"], beta=attrs["beta"],
                     bias_kind=attrs["bias_kind"], dtype=a.dtype)  # fmt: skip
     return (y, z) if attrs["store_z"] else y
+
+
+def _k_summed_product(attrs, k_axes, a, b):
+    """alpha op(A) op(B) with K split over k_axes: each device's partial product (a plain GEMM), summed
+    over the devices in the accumulation type (the epilogue that follows must see the whole sum)."""
+    plain = dict(act="none", slope=0.0, alpha=attrs["alpha"], beta=0.0, trans_a=attrs["trans_a"],
+                 trans_b=attrs["trans_b"], bias_kind="none", store_z=False, exact_f32=attrs["exact_f32"])  # fmt: skip
+    partial_product, _ = _ffi.gemm(a, b, None, None, **plain)
+    return jax.lax.psum(partial_product.astype(reference._acc_dtype(a.dtype)), k_axes)
 
 
 def epilogue(z, bias, c, *, act, slope, beta, bias_kind, dtype):
@@ -277,17 +282,17 @@ def _dact_plan(attrs, mesh, arg_infos):
     return arg_specs, gz_spec, gb_spec, reduce_axes
 
 
-def _device_sum(gbias, reduce_axes):
-    """A local bias gradient summed over the mesh axes of the dims it reduces (the whole sum spans
-    the devices along those dims).
+def _device_sum(grad, axes):
+    """A local gradient (a bias's, a weight's) summed over the mesh axes of the dims it reduces
+    (the whole sum spans the devices along those dims).
 
-    Summed in gBias's own dtype, as plain jnp's bias gradient is: XLA combines those sums with
-    the weight gradients' all-reduce. Summed in f32 they made a second combined all-reduce,
-    complete only after the backward's last call, which split the step's CUDA graphs around
-    it. Each device's gBias is already in its dtype (accumulated in f32 and rounded once), so
-    over two devices the result is one addition rounded once; over more, NCCL rounds at each
-    step of its ring, as in plain jnp's program."""
-    return jax.lax.psum(gbias, reduce_axes) if reduce_axes else gbias
+    Summed in its own dtype, as plain jnp's gradients are: XLA combines those sums into one
+    all-reduce. Bias gradients summed in f32 made a second one, complete only after the
+    backward's last call, which split the step's CUDA graphs around it. Each device's part is
+    already in its dtype (accumulated in f32 and rounded once), so over two devices the result
+    is one addition rounded once; over more, NCCL rounds at each step of its ring, as in plain
+    jnp's program."""
+    return jax.lax.psum(grad, axes) if axes else grad
 
 
 def _summed_bias_grad(out, gb_spec, reduce_axes):
@@ -411,11 +416,8 @@ def _dgrad_dact_sharded(attrs, k, gb_spec, reduce_axes, a, b, s, after=None):
     """A device's share of dgrad_dact: the local call (following `after`), or with K split the whole
     gY first (act' multiplies it), then dact; the bias gradient summed over the devices."""
     if k:
-        plain = dict(act="none", slope=0.0, alpha=attrs["alpha"], beta=0.0, trans_a=attrs["trans_a"],
-                     trans_b=attrs["trans_b"], bias_kind="none", store_z=False, exact_f32=attrs["exact_f32"])  # fmt: skip
-        partial_gy, _ = _ffi.gemm(a, b, None, None, **plain)
-        gy = jax.lax.psum(partial_gy.astype(reference._acc_dtype(a.dtype)), k).astype(a.dtype)
-        out = _dact_local(_Attrs({x: attrs[x] for x in ("act", "slope", "from_y", "bias_kind")}), gy, s)
+        gy = _k_summed_product(attrs, k, a, b).astype(a.dtype)
+        out = _dact_local(_Attrs(_dact_ffi_attrs(attrs)), gy, s)
     else:
         out = _dgrad_dact_local(attrs, a, b, s, after)
     return _summed_bias_grad(out, gb_spec, reduce_axes)
@@ -517,9 +519,7 @@ def _layer_backward_sharded(attrs, k, gb_spec, reduce_axes, rows, a, b, s, wa, w
     first: no call to follow, nor one over S), then dW summed over the devices that split the rows."""
     dw = _wgrad_local(attrs, wa, wb)
     out = _dgrad_dact_sharded(attrs, k, gb_spec, reduce_axes, a, b, s, None if k else dw)
-    if rows:
-        dw = jax.lax.psum(dw, rows)
-    return (*(out if isinstance(out, tuple) else (out,)), dw)
+    return (*(out if isinstance(out, tuple) else (out,)), _device_sum(dw, rows))
 
 
 def _layer_backward_partition(attrs, mesh, arg_infos, result_infos):
