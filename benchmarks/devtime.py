@@ -15,6 +15,7 @@ import statistics
 import tempfile
 
 import jax
+import numpy as np
 
 
 # XLA compile options for every function jitted here (bench_gpu.py --graph-min-size
@@ -92,19 +93,23 @@ def device_times_ms(cases, repeats=20, pause_s=1e-2):
     return result
 
 
-def pipelined_ms(cases, n=50, repeats=5):
+def pipelined_ms(cases, n=50, repeats=9):
     """{name: (fn, arg_sets)} -> {name: wall clock per call}: n calls of fn pipelined as a
     program issues them (over the rotated arg sets, blocked once at the end), median of
     repeats after warm-up: device time plus whatever host time the calls do not hide. The
     cases' loops take turns, repeat by repeat, so that drift in the machine's state (the
     GPU's clock at its power cap, the host) falls on every case alike rather than on
-    whichever ran last."""
+    whichever ran last; in a fresh order each repeat (seeded), so that no case always
+    follows the same one (in a fixed order a host-bound two-GPU step read 0.87 of XLA's
+    speed, shuffled 1.03: results/h100x2_train_dp2_donated_e54445f.md)."""
     for fn, arg_sets in cases.values():
         for args in arg_sets:
             jax.block_until_ready(fn(*args))
     ts = {name: [] for name in cases}
+    order = np.random.default_rng(0)
     for _ in range(repeats):
-        for name, (fn, arg_sets) in cases.items():
+        for name in order.permutation(list(cases)):
+            fn, arg_sets = cases[name]
             t0 = time.perf_counter()
             out = [fn(*arg_sets[i % len(arg_sets)]) for i in range(n)]
             jax.block_until_ready(out)
