@@ -58,7 +58,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_regemm as rg
-from devtime import device_times_ms, named_jit
+from devtime import device_times_ms, named_jit, turns
 
 ACT = {"gelu": lambda x: nn.gelu(x, approximate=True), "relu": nn.relu, "silu": nn.silu}
 # (batch rows, width, layers)
@@ -117,8 +117,8 @@ def wall_ms(steps, x, y, n=30, repeats=5, envs=None):
     set, if given. The sides' loops take turns, repeat by repeat: run one side's loops
     after the other's and the later side meets a hotter GPU (on an H100 the 4096x4096x4
     bf16 loops run at the power cap, the SM clock at 1590-1725 MHz instead of 1980),
-    which cost the last side up to 4% a step. The order is a fresh shuffle each repeat,
-    so that no side always follows the same one."""
+    which cost the last side up to 4% a step. The order is a fresh shuffle each repeat
+    (devtime.turns), so that no side always follows the same one."""
     envs = envs or {}
     state = {}
     for side, (step, (params, opt_state)) in steps.items():
@@ -129,18 +129,16 @@ def wall_ms(steps, x, y, n=30, repeats=5, envs=None):
             jax.block_until_ready(l)
         state[side] = (params, opt_state)
     ts = {side: [] for side in steps}
-    order = np.random.default_rng(0)
-    for _ in range(repeats):
-        for side in order.permutation(list(steps)):
-            step = steps[side][0]
-            params, opt_state = state[side]
-            with _env(*envs.get(side, ("", ""))):
-                t0 = time.perf_counter()
-                for _ in range(n):
-                    params, opt_state, l = step(params, opt_state, x, y)
-                jax.block_until_ready(l)
-                ts[side].append((time.perf_counter() - t0) / n * 1e3)
-            state[side] = (params, opt_state)
+    for side in turns(steps, repeats):
+        step = steps[side][0]
+        params, opt_state = state[side]
+        with _env(*envs.get(side, ("", ""))):
+            t0 = time.perf_counter()
+            for _ in range(n):
+                params, opt_state, l = step(params, opt_state, x, y)
+            jax.block_until_ready(l)
+            ts[side].append((time.perf_counter() - t0) / n * 1e3)
+        state[side] = (params, opt_state)
     return {side: statistics.median(t) for side, t in ts.items()}
 
 

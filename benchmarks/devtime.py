@@ -99,22 +99,28 @@ def pipelined_ms(cases, n=50, repeats=9):
     repeats after warm-up: device time plus whatever host time the calls do not hide. The
     cases' loops take turns, repeat by repeat, so that drift in the machine's state (the
     GPU's clock at its power cap, the host) falls on every case alike rather than on
-    whichever ran last; in a fresh order each repeat (seeded), so that no case always
+    whichever ran last; in a fresh order each repeat (`turns`), so that no case always
     follows the same one (in a fixed order a host-bound two-GPU step read 0.87 of XLA's
     speed, shuffled 1.03: results/h100x2_train_dp2_donated_e54445f.md)."""
     for fn, arg_sets in cases.values():
         for args in arg_sets:
             jax.block_until_ready(fn(*args))
     ts = {name: [] for name in cases}
+    for name in turns(cases, repeats):
+        fn, arg_sets = cases[name]
+        t0 = time.perf_counter()
+        out = [fn(*arg_sets[i % len(arg_sets)]) for i in range(n)]
+        jax.block_until_ready(out)
+        ts[name].append((time.perf_counter() - t0) / n * 1e3)
+    return {name: statistics.median(t) for name, t in ts.items()}
+
+
+def turns(names, repeats):
+    """The names, each once per repeat, in a fresh order each repeat (seeded): sides timed in
+    turns so that no side always follows the same one."""
     order = np.random.default_rng(0)
     for _ in range(repeats):
-        for name in order.permutation(list(cases)):
-            fn, arg_sets = cases[name]
-            t0 = time.perf_counter()
-            out = [fn(*arg_sets[i % len(arg_sets)]) for i in range(n)]
-            jax.block_until_ready(out)
-            ts[name].append((time.perf_counter() - t0) / n * 1e3)
-    return {name: statistics.median(t) for name, t in ts.items()}
+        yield from (str(name) for name in order.permutation(list(names)))
 
 
 def host_median_ms(fn, *args, repeats=20):

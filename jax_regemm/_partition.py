@@ -367,7 +367,7 @@ def _bias_grad_rule(attrs, mesh, value_types, result_types):
     return _sharding_rule_factors([shape], len(shape) - 2, [("m", "n")], [_BIAS_TAIL[attrs["bias_kind"]]])
 
 
-_bias_grad_cp = custom_partitioning(lambda attrs, gz: _bias_grad_local(attrs, gz), static_argnums=(0,))
+_bias_grad_cp = custom_partitioning(_bias_grad_local, static_argnums=(0,))
 _bias_grad_cp.def_partition(
     partition=_bias_grad_partition, infer_sharding_from_operands=_bias_grad_infer, sharding_rule=_bias_grad_rule
 )
