@@ -242,9 +242,15 @@ def _xla_gemm(a, b, *, cfg):
 
 def _xla_fused(*args, cfg):
     """The fused op as the program a user writes: the product in a's dtype (_xla_gemm), then
-    the epilogue in it, which XLA fuses into its own GEMM where it can (a bias, relu, gelu).
-    The lowering where regemm's calls cannot run fast: rows that are not whole 16-byte vectors,
-    and few rows of output (_ON_XLA)."""
+    the epilogue in it, which XLA fuses into its own GEMM where it can (a bias, gelu); for relu
+    and leaky_relu the reference's program (Z in f32, below). The lowering where regemm's calls
+    cannot run fast: rows that are not whole 16-byte vectors, and few rows of output (_ON_XLA)."""
+    if cfg.act in ("relu", "leaky_relu"):
+        # A kink: act' flips where the product's rounding to a 16-bit type moves Z across 0, and
+        # where XLA does not fold bias and act into its GEMM in f32 (its Triton GEMM fusions) the
+        # flips took bf16 gradients to 3.6e-2 of the reference's (2048x1024x1024 relu, H100;
+        # SPEC's bound is 2e-2). So Z in f32, as the kernels and the reference have it.
+        return _fused_ref(*args, cfg=cfg)
     a, b, bias, c = _split(cfg, args)
     (z,) = _xla_gemm(a, b, cfg=cfg)
     return _fused_outputs(cfg, z, bias, c, a.dtype)
