@@ -76,6 +76,8 @@ REGEMM_HD float erfc(float x) { return host_math::erfc(x); }
 REGEMM_HD double erfc(double x) { return ::erfc(x); }
 REGEMM_HD float abs(float x) { return ::fabsf(x); }
 REGEMM_HD double abs(double x) { return ::fabs(x); }
+// x limited to [lo, hi]; NaN comes out as lo (callers that need NaN select it back).
+REGEMM_HD float clamp(float x, float lo, float hi) { return ::fminf(::fmaxf(x, lo), hi); }
 }  // namespace math
 
 // The elementary functions the forward activations are written with, as a
@@ -93,6 +95,8 @@ REGEMM_HD double abs(double x) { return ::fabs(x); }
 // is below ~1e-37 in magnitude (sigmoid(z < -87), gelu_erf(z < -13)) come out 0.
 // On the host FastMath is PreciseMath.
 struct PreciseMath {
+  // act_grad's short forms (gelu, silu: see there): FastMath's on the device.
+  static constexpr bool kShortGrad = false;
   template <class T> static REGEMM_HD T exp(T x) { return math::exp(x); }
   // exp(x) for x <= 0: on the host, the cheaper float form (host_math::exp_nonpos).
   template <class T> static REGEMM_HD T exp_nonpos(T x) { return exp(x); }
@@ -108,6 +112,7 @@ struct PreciseMath {
 
 struct FastMath : PreciseMath {
 #if defined(__CUDA_ARCH__)
+  static constexpr bool kShortGrad = true;
   static REGEMM_HD float ex2(float x) {
     float y;
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
@@ -193,7 +198,22 @@ template <class T, class M = PreciseMath> REGEMM_HD T act_grad(Act act, T z, T s
     case Act::kRelu: g = z > T(0) ? T(1) : T(0); break;
     case Act::kLeakyRelu: g = z > T(0) ? T(1) : slope; break;
     case Act::kGelu: {
-      // d/dz z s(2u) = s + 2 z s (1 - s) u'. Past |z| = 30 the derivative is 1 or 0
+      // d/dz z s(2u) = s + 2 z s (1 - s) u'.
+      if constexpr (M::kShortGrad && std::is_same_v<T, float>) {
+        // FastMath's short form: one M::sigmoid, whose tails need no branch (2^big = inf,
+        // rcp(inf) = 0); 1 - s formed directly (absolute error ~6e-8, under the 16-bit or
+        // TF32 rounding of the product it scales); z clamped to [-10, 10], outside which
+        // gelu' is 0 or 1 in f32 and u' stays finite. About 10 instructions fewer than the
+        // form below, in tensor-core epilogues where act' is most of a tile's time at small
+        // K (tools/tile_bench, 32768x512x512 bf16, act' stored beside the forward's gelu:
+        // 90.7 -> 71.9 us; silu 59.3 -> 47.6).
+        const T zc = math::clamp(z, T(-10), T(10));
+        const T z2 = zc * zc;
+        const T s = M::sigmoid(T(2) * G::kC * zc * (T(1) + G::kA * z2));
+        g = s + zc * s * (T(1) - s) * (T(2) * G::kC) * (T(1) + T(3) * G::kA * z2);
+        break;
+      }
+      // Past |z| = 30 the derivative is 1 or 0
       // to the last ulp of double, and the formula would form 0 * inf.
       const T zc = z > T(30) ? T(30) : (z < T(-30) ? T(-30) : z);
       const T z2 = zc * zc;
@@ -211,7 +231,16 @@ template <class T, class M = PreciseMath> REGEMM_HD T act_grad(Act act, T z, T s
       g = M::div(T(4) * e, (T(1) + e) * (T(1) + e));
       break;
     }
-    case Act::kSilu: { const Sig<T> q = sigmoid2<T, M>(z); g = q.s * (T(1) + z * q.one_minus_s); break; }
+    case Act::kSilu: {
+      if constexpr (M::kShortGrad && std::is_same_v<T, float>) {  // as gelu's short form
+        const T s = M::sigmoid(z);
+        g = s * (T(1) + z * (T(1) - s));
+        break;
+      }
+      const Sig<T> q = sigmoid2<T, M>(z);
+      g = q.s * (T(1) + z * q.one_minus_s);
+      break;
+    }
   }
   return z != z ? z : g;  // NaN in, NaN out
 }
