@@ -41,6 +41,7 @@ class Config:
     bias_shape: tuple = ()  # canonical [1.., L]: the bias gradient is summed to it
     c_shape: tuple = ()  # C's shape after lifting: gC is summed to it
     out_sharding: object = None  # under a mesh of Explicit axes: Y's sharding type where JAX cannot infer it
+    differentiated: bool = False  # the forward of a derivative (bound by a JVP rule): its peak holds the residuals
 
 
 def _array(name, x):

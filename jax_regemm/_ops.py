@@ -26,7 +26,8 @@ lowering, behind their partitioning rules (_partition.py), so jit over a mesh
 keeps the work local, except where one table (`_ON_XLA`) says XLA's own
 program is as fast: on the GPU a plain GEMM (nothing to fuse: the backward's
 dgrad and wgrad) lowers to XLA's dot, and an op whose rows are not whole
-16-byte vectors, or small, to plain JAX. The ops' vmap rules add a leading batch
+16-byte vectors, or small, or a 16-bit linear layer (a bias and nothing else)
+outside a derivative, to plain JAX. The ops' vmap rules add a leading batch
 dim (the kernels broadcast by stride), folding a batch of A against a shared B
 into M.
 """
@@ -100,18 +101,26 @@ def _primitive(name, ref, lower):
 # lost by wall clock in 64 of 84 such layers, 0.73-0.96 of XLA's speed by shape (H100,
 # h100_small_layers.md). On the
 # CPU oneDNN's bf16 and f16 GEMMs are several times faster than XLA's, and in f32 the
-# layers measured the same either way (cpu_plain_gemm.md).
+# layers measured the same either way (cpu_plain_gemm.md). "linear" is a 16-bit forward of
+# act none whose only addend is a per-column bias, outside a derivative (_linear): XLA folds
+# that bias into its own GEMM, the same single kernel as regemm's call at a cheaper launch,
+# and an inference program's layer of 25-100 us is bound by the host (h200_linear_on_xla.md).
+# In a derivative's forward the call stays: there the peak holds every layer's residuals,
+# and XLA's GEMM brought its 32 MiB cuBLAS workspace to it (4096x2048x8 bf16 steps 16 MiB
+# more, over XLA's own in half the runs). In f32 XLA adds the bias in a kernel of its own
+# (h100_train_ws_linear_79c5c6c.md), and a kinked act needs Z in f32 (_xla_fused).
 _GPU_DTYPES = ("float32", "bfloat16", "float16")
 _ON_XLA = {
-    "cuda": {"gemm": _GPU_DTYPES + ("float64",), "dact": (), "unaligned": _GPU_DTYPES, "small": _GPU_DTYPES},
-    "cpu": {"gemm": (), "dact": (), "unaligned": (), "small": ()},
+    "cuda": {"gemm": _GPU_DTYPES + ("float64",), "dact": (), "unaligned": _GPU_DTYPES, "small": _GPU_DTYPES,
+             "linear": ("bfloat16", "float16")},
+    "cpu": {"gemm": (), "dact": (), "unaligned": (), "small": (), "linear": ()},
 }
 _SMALL_ROWS, _SMALL_ELEMENTS = 512, 2**21
 # Per op, the variable that overrides the table on every platform: "xla" or "regemm"
 # (A/B of a lowering choice, and tests of the kernels at odd and small sizes; read when a
 # program is lowered).
 _ON_XLA_VARIABLE = {"gemm": "REGEMM_PLAIN_GEMM", "dact": "REGEMM_DACT", "unaligned": "REGEMM_UNALIGNED",
-                    "small": "REGEMM_SMALL"}  # fmt: skip
+                    "small": "REGEMM_SMALL", "linear": "REGEMM_LINEAR"}  # fmt: skip
 
 
 def _on_xla(op, platform, dtype):
@@ -228,6 +237,15 @@ def plain(cfg):
     return cfg.act == "none" and cfg.bias_kind == "none" and not cfg.c_shape and not cfg.return_z
 
 
+def _linear(cfg):
+    """act none with a per-column bias and nothing else to fuse (no C, alpha 1), outside a
+    derivative: what XLA's own GEMM folds into its epilogue ("linear" in _ON_XLA). Not the Z a
+    backward recomputes (act none with the layer's save="recompute"): act' is decided on it, so
+    it must be the forward's Z to the bit, the product and bias rounded once as the kernels do."""
+    return (cfg.act == "none" and cfg.bias_kind == "per_col" and not cfg.c_shape and cfg.alpha == 1.0
+            and not cfg.differentiated and cfg.save != "recompute")  # fmt: skip
+
+
 def _xla_gemm(a, b, *, cfg):
     """A plain GEMM as XLA's own dot: XLA's autotuned GEMM (split-K for the narrow
     wgrads of deep narrow MLPs), a cheaper launch than a custom call, and a node XLA
@@ -262,6 +280,8 @@ def _pick_fused(platform, a, b, *rest, cfg):
     n = b.shape[-2] if cfg.trans_b else b.shape[-1]
     rows = (a.shape[-1], b.shape[-1], n) + tuple(cfg.c_shape[-1:])  # as stored: A, B, Y and Z, C
     if _unaligned_on_xla(platform, a.dtype, *rows) or _small_on_xla(platform, a.dtype, _out_shape(cfg, a, b)):
+        return _xla_fused
+    if _linear(cfg) and _on_xla("linear", platform, a.dtype):
         return _xla_fused
     return _fused_lower
 
@@ -305,7 +325,8 @@ def _residual_kind(cfg):
 def _fused_jvp(primals, tangents, *, cfg):
     a, b, bias, c = _split(cfg, primals)
     kind = _residual_kind(cfg)
-    outs = _fused_p.bind(*primals, cfg=dataclasses.replace(cfg, return_z=cfg.return_z or kind == "z"))
+    fwd = dataclasses.replace(cfg, return_z=cfg.return_z or kind == "z", differentiated=True)
+    outs = _fused_p.bind(*primals, cfg=fwd)
     y = outs[0]
     res = [a, b] + {"z": [outs[-1]], "y": [y], "recompute": [x for x in (bias, c) if x is not None], "none": []}[kind]
     has = tuple(type(t) is not ad.Zero for t in tangents)  # of (dA, dB, dbias, dC), among the operands that exist
@@ -935,7 +956,7 @@ def _mlp_jvp(spec, primals, tangents):
     h = x
     res = []
     for cfg, kind, w, b in zip(spec.cfgs, _mlp_kinds(spec), weights, biases):
-        outs = fused(dataclasses.replace(cfg, return_z=kind == "z"), h, w, b, None)
+        outs = fused(dataclasses.replace(cfg, return_z=kind == "z", differentiated=True), h, w, b, None)
         y = outs[0] if kind == "z" else outs
         res += [h, w] + {"z": [outs[-1] if kind == "z" else None], "y": [y], "recompute": [b] if b is not None else [],
                          "none": []}[kind]  # fmt: skip

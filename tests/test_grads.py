@@ -575,6 +575,52 @@ def test_kinked_act_on_xla_program_keeps_z_in_f32(rand, act, monkeypatch):
         assert_rel(got, w, jnp.bfloat16, what=act)
 
 
+def test_linear_16bit_inference_is_xla_program_on_cuda(rand, monkeypatch):
+    """On the GPU a 16-bit layer of act none whose only addend is a per-column bias lowers, outside
+    a derivative, to XLA's own GEMM and bias add (folded into XLA's GEMM): no regemm call. An f32
+    one, one with another bias kind, a C or an alpha, the forward of its gradient (whose peak holds
+    the residuals: rg.mlp's top layer too), and the Z a relu layer with save="recompute"
+    recomputes (act' is decided on it, so it must be the forward's to the bit) keep their calls.
+    REGEMM_LINEAR=xla does the same on the CPU, with the regemm calls' values (both run here)."""
+    monkeypatch.delenv("REGEMM_LINEAR", raising=False)  # the default, read at lowering
+    m, k, n = 1024, 64, 4096  # not small (_SMALL_ROWS, _SMALL_ELEMENTS)
+    spec = lambda dt, *shape: jax.ShapeDtypeStruct(shape, dt)
+    bf16 = jnp.bfloat16
+    gemms = lambda f, *args: _calls(_lowered_for_cuda(f, *args), rg._ffi.GEMM_TARGET)
+
+    def fwd_calls(dt, bias_shape, alpha=1.0, with_c=False):
+        f = lambda a, b, bias, c: rg.gemm_bias_act(a, b, bias, c=c, alpha=alpha, beta=1.0, act="none")
+        return len(gemms(f, spec(dt, m, k), spec(dt, k, n), spec(dt, *bias_shape), spec(dt, m, n) if with_c else None))
+
+    assert fwd_calls(bf16, (n,)) == 0 and fwd_calls(jnp.float16, (n,)) == 0
+    assert fwd_calls(jnp.float32, (n,)) == 1
+    assert fwd_calls(bf16, (m, 1)) == 1  # per-row
+    assert fwd_calls(bf16, (n,), alpha=0.5) == 1
+    assert fwd_calls(bf16, (n,), with_c=True) == 1
+    x, w, b = spec(bf16, m, k), spec(bf16, k, n), spec(bf16, n)
+    linear = lambda a, b, bias: jnp.sum(jnp.sin(rg.dense(a, b, bias, act="none")))
+    assert len(gemms(jax.grad(linear, argnums=(0, 1, 2)), x, w, b)) == 1
+    ws, bs = [spec(bf16, k, n), spec(bf16, n, n)], [spec(bf16, n), spec(bf16, n)]
+    block = lambda x, ws, bs: jnp.sum(jnp.sin(rg.mlp(x, ws, bs, act="gelu")))
+    assert len(gemms(lambda x, ws, bs: rg.mlp(x, ws, bs, act="gelu"), x, ws, bs)) == 1  # the top layer on XLA's
+    assert len(gemms(jax.grad(block, argnums=(0, 1, 2)), x, ws, bs)) == 2
+    recompute = lambda a, b, bias: jnp.sum(jnp.sin(rg.dense(a, b, bias, act="relu", save="recompute")))
+    calls = gemms(jax.grad(recompute, argnums=(0, 1, 2)), x, w, b)
+    assert len(calls) == 2 and sum('act = "none"' in ln for ln in calls) == 1, calls  # the forward, then Z again
+
+    a, b, bias, _ = rand.operands(48, 40, 32, bf16, bias_shape=(40,))
+    f = lambda a, b, bias: rg.dense(a, b, bias, act="none")
+    want = jax.jit(lambda *x: f(*x))(a, b, bias)  # regemm's call on the CPU
+    monkeypatch.setenv("REGEMM_LINEAR", "xla")
+    g = jax.jit(lambda *x: f(*x))
+    assert not _calls(g.trace(a, b, bias).lower(lowering_platforms=("cpu",)).as_text(), rg._ffi.GEMM_TARGET)
+    up = lambda x: x.astype(jnp.float32)
+    got = g(a, b, bias)
+    assert got.dtype == bf16
+    assert_rel(got, R.gemm_bias_act(up(a), up(b), up(bias), act="none", precision=jax.lax.Precision.HIGHEST), bf16)
+    assert_rel(got, up(want), bf16, what="linear on XLA against the regemm call")
+
+
 def test_plain_gemm_on_xla_matches_the_reference(rand):
     """The dot the CUDA lowering emits for a plain GEMM (alpha, transposes, f32 and bf16), run here."""
     from jax_regemm import _ops
