@@ -26,8 +26,8 @@ lowering, behind their partitioning rules (_partition.py), so jit over a mesh
 keeps the work local, except where one table (`_ON_XLA`) says XLA's own
 program is as fast: on the GPU a plain GEMM (nothing to fuse: the backward's
 dgrad and wgrad) lowers to XLA's dot, and an op whose rows are not whole
-16-byte vectors, or small, or a 16-bit linear layer (a bias and nothing else)
-outside a derivative, to plain JAX. The ops' vmap rules add a leading batch
+16-byte vectors, or small, or a 16-bit forward outside a derivative whose
+epilogue XLA folds into its GEMM (a bias, relu), to plain JAX. The ops' vmap rules add a leading batch
 dim (the kernels broadcast by stride), folding a batch of A against a shared B
 into M.
 """
@@ -101,26 +101,26 @@ def _primitive(name, ref, lower):
 # lost by wall clock in 64 of 84 such layers, 0.73-0.96 of XLA's speed by shape (H100,
 # h100_small_layers.md). On the
 # CPU oneDNN's bf16 and f16 GEMMs are several times faster than XLA's, and in f32 the
-# layers measured the same either way (cpu_plain_gemm.md). "linear" is a 16-bit forward of
-# act none whose only addend is a per-column bias, outside a derivative (_linear): XLA folds
-# that bias into its own GEMM, the same single kernel as regemm's call at a cheaper launch,
-# and an inference program's layer of 25-100 us is bound by the host (h200_linear_on_xla.md).
-# In a derivative's forward the call stays: there the peak holds every layer's residuals,
-# and XLA's GEMM brought its 32 MiB cuBLAS workspace to it (4096x2048x8 bf16 steps 16 MiB
-# more, over XLA's own in half the runs). In f32 XLA adds the bias in a kernel of its own
-# (h100_train_ws_linear_79c5c6c.md), and a kinked act needs Z in f32 (_xla_fused).
+# layers measured the same either way (cpu_plain_gemm.md). "xla_epilogue" is a 16-bit
+# forward outside a derivative whose epilogue XLA folds into its own GEMM (_xla_epilogue: a
+# per-column bias, relu): the same single kernel as regemm's call at a cheaper launch, and an
+# inference program's layer of 25-100 us is bound by the host (h200_linear_on_xla.md). In a
+# derivative's forward the call stays: there the peak holds every layer's residuals, and
+# XLA's GEMM brought its 32 MiB cuBLAS workspace to it (4096x2048x8 bf16 steps 16 MiB more,
+# over XLA's own in half the runs), and relu' must be decided on Z rounded once (_xla_fused).
+# In f32 XLA adds the bias in a kernel of its own (h100_train_ws_linear_79c5c6c.md).
 _GPU_DTYPES = ("float32", "bfloat16", "float16")
 _ON_XLA = {
     "cuda": {"gemm": _GPU_DTYPES + ("float64",), "dact": (), "unaligned": _GPU_DTYPES, "small": _GPU_DTYPES,
-             "linear": ("bfloat16", "float16")},
-    "cpu": {"gemm": (), "dact": (), "unaligned": (), "small": (), "linear": ()},
+             "xla_epilogue": ("bfloat16", "float16")},
+    "cpu": {"gemm": (), "dact": (), "unaligned": (), "small": (), "xla_epilogue": ()},
 }
 _SMALL_ROWS, _SMALL_ELEMENTS = 512, 2**21
 # Per op, the variable that overrides the table on every platform: "xla" or "regemm"
 # (A/B of a lowering choice, and tests of the kernels at odd and small sizes; read when a
 # program is lowered).
 _ON_XLA_VARIABLE = {"gemm": "REGEMM_PLAIN_GEMM", "dact": "REGEMM_DACT", "unaligned": "REGEMM_UNALIGNED",
-                    "small": "REGEMM_SMALL", "linear": "REGEMM_LINEAR"}  # fmt: skip
+                    "small": "REGEMM_SMALL", "xla_epilogue": "REGEMM_XLA_EPILOGUE"}  # fmt: skip
 
 
 def _on_xla(op, platform, dtype):
@@ -237,13 +237,14 @@ def plain(cfg):
     return cfg.act == "none" and cfg.bias_kind == "none" and not cfg.c_shape and not cfg.return_z
 
 
-def _linear(cfg):
-    """act none with a per-column bias and nothing else to fuse (no C, alpha 1), outside a
-    derivative: what XLA's own GEMM folds into its epilogue ("linear" in _ON_XLA). Not the Z a
-    backward recomputes (act none with the layer's save="recompute"): act' is decided on it, so
-    it must be the forward's Z to the bit, the product and bias rounded once as the kernels do."""
-    return (cfg.act == "none" and cfg.bias_kind == "per_col" and not cfg.c_shape and cfg.alpha == 1.0
-            and not cfg.differentiated and cfg.save != "recompute")  # fmt: skip
+def _xla_epilogue(cfg):
+    """A forward outside a derivative whose epilogue XLA folds into its own GEMM ("xla_epilogue"
+    in _ON_XLA): act none or relu, a per-column bias or none, nothing else (no C, alpha 1, no Z
+    asked for). Outside a derivative, for XLA rounds the product before the bias and act: relu'
+    must be decided on Z rounded once (_xla_fused), and the Z a backward recomputes
+    (save="recompute") must be the forward's to the bit."""
+    return (cfg.act in ("none", "relu") and cfg.bias_kind in ("none", "per_col") and not cfg.c_shape
+            and cfg.alpha == 1.0 and not cfg.return_z and not cfg.differentiated and cfg.save != "recompute")  # fmt: skip
 
 
 def _xla_gemm(a, b, *, cfg):
@@ -258,20 +259,28 @@ def _xla_gemm(a, b, *, cfg):
     return [(cfg.alpha * mm(preferred_element_type=reference._acc_dtype(a.dtype))).astype(a.dtype)]
 
 
-def _xla_fused(*args, cfg):
-    """The fused op as the program a user writes: the product in a's dtype (_xla_gemm), then
-    the epilogue in it, which XLA fuses into its own GEMM where it can (a bias, gelu); for relu
-    and leaky_relu the reference's program (Z in f32, below). The lowering where regemm's calls
-    cannot run fast: rows that are not whole 16-byte vectors, and few rows of output (_ON_XLA)."""
-    if cfg.act in ("relu", "leaky_relu"):
-        # A kink: act' flips where the product's rounding to a 16-bit type moves Z across 0, and
-        # where XLA does not fold bias and act into its GEMM in f32 (its Triton GEMM fusions) the
-        # flips took bf16 gradients to 3.6e-2 of the reference's (2048x1024x1024 relu, H100;
-        # SPEC's bound is 2e-2). So Z in f32, as the kernels and the reference have it.
-        return _fused_ref(*args, cfg=cfg)
+def _xla_folded(*args, cfg):
+    """The fused op as the program a user writes: the product in a's dtype (_xla_gemm), then the
+    epilogue in it, which XLA folds into its own GEMM where it can (a bias, relu, gelu)."""
     a, b, bias, c = _split(cfg, args)
     (z,) = _xla_gemm(a, b, cfg=cfg)
     return _fused_outputs(cfg, z, bias, c, a.dtype)
+
+
+def _xla_fused(*args, cfg):
+    """The lowering where regemm's calls cannot run fast, rows that are not whole 16-byte vectors
+    and few rows of output (_ON_XLA): _xla_folded, or the reference's program (Z in f32) where a
+    kink's act' is decided on Z (below)."""
+    recomputed = cfg.act == "none" and cfg.save == "recompute"
+    if recomputed or (cfg.act in ("relu", "leaky_relu") and (cfg.differentiated or cfg.return_z)):
+        # A kink: act' flips where the product's rounding to a 16-bit type moves Z across 0, and
+        # where XLA does not fold bias and act into its GEMM in f32 (its Triton GEMM fusions) the
+        # flips took bf16 gradients to 3.6e-2 of the reference's (2048x1024x1024 relu, H100;
+        # SPEC's bound is 2e-2). So Z in f32, as the kernels and the reference have it, in a
+        # derivative's forward, a Z asked for, and a Z recomputed (act none, its layer's act not
+        # known here: every recompute).
+        return _fused_ref(*args, cfg=cfg)
+    return _xla_folded(*args, cfg=cfg)
 
 
 def _pick_fused(platform, a, b, *rest, cfg):
@@ -281,8 +290,8 @@ def _pick_fused(platform, a, b, *rest, cfg):
     rows = (a.shape[-1], b.shape[-1], n) + tuple(cfg.c_shape[-1:])  # as stored: A, B, Y and Z, C
     if _unaligned_on_xla(platform, a.dtype, *rows) or _small_on_xla(platform, a.dtype, _out_shape(cfg, a, b)):
         return _xla_fused
-    if _linear(cfg) and _on_xla("linear", platform, a.dtype):
-        return _xla_fused
+    if _xla_epilogue(cfg) and _on_xla("xla_epilogue", platform, a.dtype):
+        return _xla_folded
     return _fused_lower
 
 

@@ -47,9 +47,9 @@ os.environ.setdefault("REGEMM_UNALIGNED", "regemm")
 # lowers to XLA's own program on the GPU ("small"); test_grads' and test_gpu's tests of that
 # check the default.
 os.environ.setdefault("REGEMM_SMALL", "regemm")
-# And a 16-bit layer of act none with a per-column bias ("linear"): XLA's own GEMM by default on
-# the GPU; test_grads' test of that checks the default.
-os.environ.setdefault("REGEMM_LINEAR", "regemm")
+# And a 16-bit forward outside a derivative whose epilogue XLA folds into its GEMM (a per-column
+# bias, relu: "xla_epilogue"); test_grads' test of that checks the default.
+os.environ.setdefault("REGEMM_XLA_EPILOGUE", "regemm")
 
 # A plain GEMM (alpha op(A) op(B): the backward's dgrad and wgrad GEMMs) is a
 # regemm call on the CPU and XLA's own dot on the GPU (jax_regemm._ops.plain):

@@ -555,16 +555,18 @@ def test_small_ops_are_xla_programs_on_cuda(rand, monkeypatch):
     _check_xla_program_on_cpu("REGEMM_SMALL", fns, monkeypatch)
 
 
+@pytest.mark.parametrize("save", ("auto", "recompute"))
 @pytest.mark.parametrize("act", ("relu", "leaky_relu"))
-def test_kinked_act_on_xla_program_keeps_z_in_f32(rand, act, monkeypatch):
+def test_kinked_act_on_xla_program_keeps_z_in_f32(rand, act, save, monkeypatch):
     """A bf16 relu or leaky_relu layer lowered to XLA's own program (REGEMM_SMALL=xla here; by
     default the GPU's small and unaligned ops) decides act' on Z in f32, as the kernels do: with
     Z rounded to bf16 first, act' flipped near 0 and the gradients of sum(sin(y)) were 3.1e-2 off
-    the reference's here (3.6e-2 on the H100 at 2048x1024x1024), over SPEC's 2e-2 for bf16."""
+    the reference's here (3.6e-2 on the H100 at 2048x1024x1024), over SPEC's 2e-2 for bf16. So is
+    the Z the backward recomputes (save="recompute")."""
     monkeypatch.setenv("REGEMM_SMALL", "xla")
     m, k, n = 64, 32, 48
     a, b, bias, _ = rand.operands(m, n, k, jnp.bfloat16, bias_shape=(n,))
-    loss = lambda a, b, bias: jnp.sum(jnp.sin(rg.dense(a, b, bias, act=act)))
+    loss = lambda a, b, bias: jnp.sum(jnp.sin(rg.dense(a, b, bias, act=act, save=save)))
     g = _fresh_grad(loss)
     assert _regemm_calls(jax.jit(g).trace(a, b, bias).lower(lowering_platforms=("cpu",)).as_text()) == 0
     up = lambda x: x.astype(jnp.float32)
@@ -573,23 +575,28 @@ def test_kinked_act_on_xla_program_keeps_z_in_f32(rand, act, monkeypatch):
     for got, w in zip(jax.jit(g)(a, b, bias), want):
         assert got.dtype == jnp.bfloat16
         assert_rel(got, w, jnp.bfloat16, what=act)
+    # outside a derivative no act' is decided: the forward is the program a user writes, a bf16 product
+    dots = lambda f: re.findall(r"dot_general.*-> tensor<64x48x(\w+)>", jax.jit(f).lower(a, b, bias).as_text())
+    assert dots(lambda a, b, bias: rg.dense(a, b, bias, act=act, save=save)) == ["bf16"]
+    assert "f32" in dots(g) and "bf16" not in dots(g)
 
 
-def test_linear_16bit_inference_is_xla_program_on_cuda(rand, monkeypatch):
-    """On the GPU a 16-bit layer of act none whose only addend is a per-column bias lowers, outside
-    a derivative, to XLA's own GEMM and bias add (folded into XLA's GEMM): no regemm call. An f32
-    one, one with another bias kind, a C or an alpha, the forward of its gradient (whose peak holds
-    the residuals: rg.mlp's top layer too), and the Z a relu layer with save="recompute"
-    recomputes (act' is decided on it, so it must be the forward's to the bit) keep their calls.
-    REGEMM_LINEAR=xla does the same on the CPU, with the regemm calls' values (both run here)."""
-    monkeypatch.delenv("REGEMM_LINEAR", raising=False)  # the default, read at lowering
+@pytest.mark.parametrize("act", ("none", "relu"))
+def test_16bit_inference_with_xla_epilogue_is_xla_program_on_cuda(rand, act, monkeypatch):
+    """On the GPU a 16-bit forward outside a derivative whose epilogue XLA folds into its own GEMM
+    (act none or relu, a per-column bias) lowers to XLA's program: no regemm call. An f32 one, one
+    with another bias kind, a C or an alpha, one asked for Z, gelu, the forward of a gradient (its
+    peak holds the residuals, and relu' is decided on Z rounded once: rg.mlp's layers too), and the
+    Z a relu layer with save="recompute" recomputes keep their calls. REGEMM_XLA_EPILOGUE=xla does
+    the same on the CPU, with the regemm calls' values (both run here)."""
+    monkeypatch.delenv("REGEMM_XLA_EPILOGUE", raising=False)  # the default, read at lowering
     m, k, n = 1024, 64, 4096  # not small (_SMALL_ROWS, _SMALL_ELEMENTS)
     spec = lambda dt, *shape: jax.ShapeDtypeStruct(shape, dt)
     bf16 = jnp.bfloat16
     gemms = lambda f, *args: _calls(_lowered_for_cuda(f, *args), rg._ffi.GEMM_TARGET)
 
-    def fwd_calls(dt, bias_shape, alpha=1.0, with_c=False):
-        f = lambda a, b, bias, c: rg.gemm_bias_act(a, b, bias, c=c, alpha=alpha, beta=1.0, act="none")
+    def fwd_calls(dt, bias_shape, alpha=1.0, with_c=False, a=act):
+        f = lambda x, w, bias, c: rg.gemm_bias_act(x, w, bias, c=c, alpha=alpha, beta=1.0, act=a)
         return len(gemms(f, spec(dt, m, k), spec(dt, k, n), spec(dt, *bias_shape), spec(dt, m, n) if with_c else None))
 
     assert fwd_calls(bf16, (n,)) == 0 and fwd_calls(jnp.float16, (n,)) == 0
@@ -597,28 +604,31 @@ def test_linear_16bit_inference_is_xla_program_on_cuda(rand, monkeypatch):
     assert fwd_calls(bf16, (m, 1)) == 1  # per-row
     assert fwd_calls(bf16, (n,), alpha=0.5) == 1
     assert fwd_calls(bf16, (n,), with_c=True) == 1
+    assert fwd_calls(bf16, (n,), a="gelu") == 1
     x, w, b = spec(bf16, m, k), spec(bf16, k, n), spec(bf16, n)
-    linear = lambda a, b, bias: jnp.sum(jnp.sin(rg.dense(a, b, bias, act="none")))
-    assert len(gemms(jax.grad(linear, argnums=(0, 1, 2)), x, w, b)) == 1
+    with_z = lambda x, w, b: rg.gemm_bias_act_fwd(x, w, b, act=act, return_z=True)
+    assert len(gemms(with_z, x, w, b)) == 1
+    layer = lambda x, w, b: jnp.sum(jnp.sin(rg.dense(x, w, b, act=act)))
+    assert len(gemms(jax.grad(layer, argnums=(0, 1, 2)), x, w, b)) == 1
     ws, bs = [spec(bf16, k, n), spec(bf16, n, n)], [spec(bf16, n), spec(bf16, n)]
-    block = lambda x, ws, bs: jnp.sum(jnp.sin(rg.mlp(x, ws, bs, act="gelu")))
-    assert len(gemms(lambda x, ws, bs: rg.mlp(x, ws, bs, act="gelu"), x, ws, bs)) == 1  # the top layer on XLA's
-    assert len(gemms(jax.grad(block, argnums=(0, 1, 2)), x, ws, bs)) == 2
-    recompute = lambda a, b, bias: jnp.sum(jnp.sin(rg.dense(a, b, bias, act="relu", save="recompute")))
+    block = lambda x, ws, bs: rg.mlp(x, ws, bs, act="relu" if act == "relu" else "gelu")  # the top layer's: none
+    assert len(gemms(block, x, ws, bs)) == (0 if act == "relu" else 1)
+    assert len(gemms(jax.grad(lambda *a: jnp.sum(jnp.sin(block(*a))), argnums=(0, 1, 2)), x, ws, bs)) == 2
+    recompute = lambda x, w, b: jnp.sum(jnp.sin(rg.dense(x, w, b, act="relu", save="recompute")))
     calls = gemms(jax.grad(recompute, argnums=(0, 1, 2)), x, w, b)
     assert len(calls) == 2 and sum('act = "none"' in ln for ln in calls) == 1, calls  # the forward, then Z again
 
     a, b, bias, _ = rand.operands(48, 40, 32, bf16, bias_shape=(40,))
-    f = lambda a, b, bias: rg.dense(a, b, bias, act="none")
+    f = lambda a, b, bias: rg.dense(a, b, bias, act=act)
     want = jax.jit(lambda *x: f(*x))(a, b, bias)  # regemm's call on the CPU
-    monkeypatch.setenv("REGEMM_LINEAR", "xla")
+    monkeypatch.setenv("REGEMM_XLA_EPILOGUE", "xla")
     g = jax.jit(lambda *x: f(*x))
     assert not _calls(g.trace(a, b, bias).lower(lowering_platforms=("cpu",)).as_text(), rg._ffi.GEMM_TARGET)
     up = lambda x: x.astype(jnp.float32)
     got = g(a, b, bias)
     assert got.dtype == bf16
-    assert_rel(got, R.gemm_bias_act(up(a), up(b), up(bias), act="none", precision=jax.lax.Precision.HIGHEST), bf16)
-    assert_rel(got, up(want), bf16, what="linear on XLA against the regemm call")
+    assert_rel(got, R.gemm_bias_act(up(a), up(b), up(bias), act=act, precision=jax.lax.Precision.HIGHEST), bf16)
+    assert_rel(got, up(want), bf16, what="on XLA against the regemm call")
 
 
 def test_plain_gemm_on_xla_matches_the_reference(rand):
