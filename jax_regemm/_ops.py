@@ -107,7 +107,7 @@ def _primitive(name, ref, lower):
 # inference program's layer of 25-100 us is bound by the host (h200_linear_on_xla.md). In a
 # derivative's forward the call stays: there the peak holds every layer's residuals, and
 # XLA's GEMM brought its 32 MiB cuBLAS workspace to it (4096x2048x8 bf16 steps 16 MiB more,
-# over XLA's own in half the runs), and relu' must be decided on Z rounded once (_xla_fused).
+# over XLA's own in half the runs), and relu' must be decided on Z rounded once (_kink_decided_on_z).
 # In f32 XLA adds the bias in a kernel of its own (h100_train_ws_linear_79c5c6c.md).
 _GPU_DTYPES = ("float32", "bfloat16", "float16")
 _ON_XLA = {
@@ -237,14 +237,24 @@ def plain(cfg):
     return cfg.act == "none" and cfg.bias_kind == "none" and not cfg.c_shape and not cfg.return_z
 
 
+def _kink_decided_on_z(cfg):
+    """Whether a kink's act' will be decided on this op's Z, which must then be the product and
+    bias rounded once, as the kernels and the reference have it: relu or leaky_relu in a
+    derivative's forward or with Z asked for, and a Z the backward recomputes (act none with
+    save="recompute": its layer's act is not known here, so every recompute). XLA's program
+    rounds the product first, and where its GEMM fusion is Triton's act' flipped near 0: bf16
+    gradients 3.6e-2 off the reference's (2048x1024x1024 relu, H100; SPEC's bound is 2e-2)."""
+    if cfg.act == "none":
+        return cfg.save == "recompute"
+    return cfg.act in ("relu", "leaky_relu") and (cfg.differentiated or cfg.return_z)
+
+
 def _xla_epilogue(cfg):
     """A forward outside a derivative whose epilogue XLA folds into its own GEMM ("xla_epilogue"
     in _ON_XLA): act none or relu, a per-column bias or none, nothing else (no C, alpha 1, no Z
-    asked for). Outside a derivative, for XLA rounds the product before the bias and act: relu'
-    must be decided on Z rounded once (_xla_fused), and the Z a backward recomputes
-    (save="recompute") must be the forward's to the bit."""
+    asked for), and no kink decided on its Z."""
     return (cfg.act in ("none", "relu") and cfg.bias_kind in ("none", "per_col") and not cfg.c_shape
-            and cfg.alpha == 1.0 and not cfg.return_z and not cfg.differentiated and cfg.save != "recompute")  # fmt: skip
+            and cfg.alpha == 1.0 and not cfg.return_z and not cfg.differentiated and not _kink_decided_on_z(cfg))  # fmt: skip
 
 
 def _xla_gemm(a, b, *, cfg):
@@ -270,17 +280,8 @@ def _xla_folded(*args, cfg):
 def _xla_fused(*args, cfg):
     """The lowering where regemm's calls cannot run fast, rows that are not whole 16-byte vectors
     and few rows of output (_ON_XLA): _xla_folded, or the reference's program (Z in f32) where a
-    kink's act' is decided on Z (below)."""
-    recomputed = cfg.act == "none" and cfg.save == "recompute"
-    if recomputed or (cfg.act in ("relu", "leaky_relu") and (cfg.differentiated or cfg.return_z)):
-        # A kink: act' flips where the product's rounding to a 16-bit type moves Z across 0, and
-        # where XLA does not fold bias and act into its GEMM in f32 (its Triton GEMM fusions) the
-        # flips took bf16 gradients to 3.6e-2 of the reference's (2048x1024x1024 relu, H100;
-        # SPEC's bound is 2e-2). So Z in f32, as the kernels and the reference have it, in a
-        # derivative's forward, a Z asked for, and a Z recomputed (act none, its layer's act not
-        # known here: every recompute).
-        return _fused_ref(*args, cfg=cfg)
-    return _xla_folded(*args, cfg=cfg)
+    kink is decided on Z."""
+    return (_fused_ref if _kink_decided_on_z(cfg) else _xla_folded)(*args, cfg=cfg)
 
 
 def _pick_fused(platform, a, b, *rest, cfg):
