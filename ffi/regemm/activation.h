@@ -2,7 +2,7 @@
 // and CUDA kernels. Each works in the accumulation type T (float or double).
 //
 // Stability: no overflow for |z| up to 1e30 (sigmoid picks the branch whose
-// exp cannot overflow; gelu's derivative short-cuts where tanh saturated), and
+// exp cannot overflow; gelu's derivative is taken at z clamped to [-30, 30]), and
 // NaN in gives NaN out (comparisons are written so that NaN falls through).
 #pragma once
 
@@ -56,6 +56,9 @@ inline bool grad_from_y_ok(Act act, double slope) {
   }
 }
 
+// sigmoid(z) and 1 - sigmoid(z), the pair that act' is written with.
+template <class T> struct Sig { T s, one_minus_s; };
+
 // Elementary functions: CUDA's own on the device; on the host, float exp/tanh/erfc
 // from host_math.h (vectorizable), double from libm (f64 is the checking path).
 namespace math {
@@ -78,6 +81,7 @@ REGEMM_HD float abs(float x) { return ::fabsf(x); }
 REGEMM_HD double abs(double x) { return ::fabs(x); }
 // x limited to [lo, hi]; NaN comes out as lo (callers that need NaN select it back).
 REGEMM_HD float clamp(float x, float lo, float hi) { return ::fminf(::fmaxf(x, lo), hi); }
+REGEMM_HD double clamp(double x, double lo, double hi) { return ::fmin(::fmax(x, lo), hi); }
 }  // namespace math
 
 // The elementary functions the forward activations are written with, as a
@@ -95,8 +99,6 @@ REGEMM_HD float clamp(float x, float lo, float hi) { return ::fminf(::fmaxf(x, l
 // is below ~1e-37 in magnitude (sigmoid(z < -87), gelu_erf(z < -13)) come out 0.
 // On the host FastMath is PreciseMath.
 struct PreciseMath {
-  // act_grad's short forms (gelu, silu: see there): FastMath's on the device.
-  static constexpr bool kShortGrad = false;
   template <class T> static REGEMM_HD T exp(T x) { return math::exp(x); }
   // exp(x) for x <= 0: on the host, the cheaper float form (host_math::exp_nonpos).
   template <class T> static REGEMM_HD T exp_nonpos(T x) { return exp(x); }
@@ -107,12 +109,13 @@ struct PreciseMath {
   template <class T> static REGEMM_HD T erfc(T x) { return math::erfc(x); }
   template <class T> static REGEMM_HD T rcp(T x) { return T(1) / x; }
   template <class T> static REGEMM_HD T div(T x, T y) { return x / y; }
-  template <class T> static REGEMM_HD T sigmoid(T z);  // sigmoid2(z).s, below
+  template <class T> static REGEMM_HD Sig<T> sigmoid_pair(T z);  // below
+  template <class T> static REGEMM_HD T sigmoid(T z) { return sigmoid_pair(z).s; }
 };
 
 struct FastMath : PreciseMath {
 #if defined(__CUDA_ARCH__)
-  static constexpr bool kShortGrad = true;
+  using PreciseMath::sigmoid_pair;  // the double forms (a float one below hides them otherwise)
   static REGEMM_HD float ex2(float x) {
     float y;
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
@@ -135,6 +138,14 @@ struct FastMath : PreciseMath {
   // both tails (no cancellation: for z << 0 the sum is the exponential; it
   // overflows to inf and the reciprocal to 0, the right limit). NaN -> NaN.
   static REGEMM_HD float sigmoid(float z) { return rcp(1.0f + exp(-z)); }
+  // 1 - s formed directly: absolute error ~6e-8, under the 16-bit or TF32 rounding of the
+  // gradient it scales; in the tensor-core dgrad epilogue, where act' is most of a tile's
+  // time at small K, this is ~10 instructions fewer than PreciseMath's (tools/tile_bench,
+  // 32768x512x512 bf16, act' stored beside the forward's gelu: 90.7 -> 71.9 us; silu 59.3 -> 47.6).
+  static REGEMM_HD Sig<float> sigmoid_pair(float z) {
+    const float s = sigmoid(z);
+    return {s, 1.0f - s};
+  }
   // erfc(x) = P(t) exp(-x^2), t = 1 / (1 + p|x|), reflected for x < 0
   // (Abramowitz & Stegun 7.1.26: absolute error below 1.5e-7).
   static REGEMM_HD float erfc(float x) {
@@ -154,13 +165,11 @@ struct FastMath : PreciseMath {
 // sigmoid(z) and 1 - sigmoid(z), each without cancellation: exp only of -|z|
 // (it cannot overflow), branch-free (selects vectorize on the host and do not
 // diverge on the device); NaN propagates through exp.
-template <class T> struct Sig { T s, one_minus_s; };
-template <class T, class M = PreciseMath> REGEMM_HD Sig<T> sigmoid2(T z) {
-  const T e = M::exp_nonpos(-math::abs(z));
-  const T r = M::rcp(T(1) + e);
+template <class T> REGEMM_HD Sig<T> PreciseMath::sigmoid_pair(T z) {
+  const T e = exp_nonpos(-math::abs(z));
+  const T r = rcp(T(1) + e);
   return z >= T(0) ? Sig<T>{r, e * r} : Sig<T>{e * r, r};
 }
-template <class T> REGEMM_HD T PreciseMath::sigmoid(T z) { return sigmoid2<T, PreciseMath>(z).s; }
 template <class T, class M = PreciseMath> REGEMM_HD T sigmoid(T z) { return M::sigmoid(z); }
 
 template <class T> struct GeluConst {
@@ -198,49 +207,24 @@ template <class T, class M = PreciseMath> REGEMM_HD T act_grad(Act act, T z, T s
     case Act::kRelu: g = z > T(0) ? T(1) : T(0); break;
     case Act::kLeakyRelu: g = z > T(0) ? T(1) : slope; break;
     case Act::kGelu: {
-      // d/dz z s(2u) = s + 2 z s (1 - s) u'.
-      if constexpr (M::kShortGrad && std::is_same_v<T, float>) {
-        // FastMath's short form: one M::sigmoid, whose tails need no branch (2^big = inf,
-        // rcp(inf) = 0); 1 - s formed directly (absolute error ~6e-8, under the 16-bit or
-        // TF32 rounding of the product it scales); z clamped to [-10, 10], outside which
-        // gelu' is 0 or 1 in f32 and u' stays finite. About 10 instructions fewer than the
-        // form below, in tensor-core epilogues where act' is most of a tile's time at small
-        // K (tools/tile_bench, 32768x512x512 bf16, act' stored beside the forward's gelu:
-        // 90.7 -> 71.9 us; silu 59.3 -> 47.6).
-        const T zc = math::clamp(z, T(-10), T(10));
-        const T z2 = zc * zc;
-        const T s = M::sigmoid(T(2) * G::kC * zc * (T(1) + G::kA * z2));
-        g = s + zc * s * (T(1) - s) * (T(2) * G::kC) * (T(1) + T(3) * G::kA * z2);
-        break;
-      }
-      // Past |z| = 30 the derivative is 1 or 0
-      // to the last ulp of double, and the formula would form 0 * inf.
-      const T zc = z > T(30) ? T(30) : (z < T(-30) ? T(-30) : z);
+      // d/dz z s(2u) = s + 2 z s (1 - s) u'. Past |z| = 30 the derivative is 1 or 0 in every
+      // precision, and the formula at the clamped z gives exactly that (u' stays finite).
+      const T zc = math::clamp(z, T(-30), T(30));
       const T z2 = zc * zc;
-      const Sig<T> q = sigmoid2<T, M>(T(2) * G::kC * zc * (T(1) + G::kA * z2));
-      g = q.s + T(2) * zc * q.s * q.one_minus_s * G::kC * (T(1) + T(3) * G::kA * z2);
-      g = z > T(30) ? T(1) : (z < T(-30) ? T(0) : g);
+      const Sig<T> q = M::sigmoid_pair(T(2) * G::kC * zc * (T(1) + G::kA * z2));
+      g = q.s + zc * q.s * q.one_minus_s * (T(2) * G::kC) * (T(1) + T(3) * G::kA * z2);
       break;
     }
     case Act::kGeluErf:
       g = T(0.5) * M::erfc(-z * G::kRsqrt2) + z * G::kRsqrt2Pi * M::exp(T(-0.5) * z * z);
       break;
-    case Act::kSigmoid: { const Sig<T> q = sigmoid2<T, M>(z); g = q.s * q.one_minus_s; break; }
+    case Act::kSigmoid: { const Sig<T> q = M::sigmoid_pair(z); g = q.s * q.one_minus_s; break; }
     case Act::kTanh: {  // 1 - tanh^2 = 4e / (1 + e)^2, e = exp(-2|z|): no cancellation
       const T e = M::exp(T(-2) * math::abs(z));
       g = M::div(T(4) * e, (T(1) + e) * (T(1) + e));
       break;
     }
-    case Act::kSilu: {
-      if constexpr (M::kShortGrad && std::is_same_v<T, float>) {  // as gelu's short form
-        const T s = M::sigmoid(z);
-        g = s * (T(1) + z * (T(1) - s));
-        break;
-      }
-      const Sig<T> q = sigmoid2<T, M>(z);
-      g = q.s * (T(1) + z * q.one_minus_s);
-      break;
-    }
+    case Act::kSilu: { const Sig<T> q = M::sigmoid_pair(z); g = q.s * (T(1) + z * q.one_minus_s); break; }
   }
   return z != z ? z : g;  // NaN in, NaN out
 }
