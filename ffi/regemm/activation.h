@@ -79,9 +79,15 @@ REGEMM_HD float erfc(float x) { return host_math::erfc(x); }
 REGEMM_HD double erfc(double x) { return ::erfc(x); }
 REGEMM_HD float abs(float x) { return ::fabsf(x); }
 REGEMM_HD double abs(double x) { return ::fabs(x); }
-// x limited to [lo, hi]; NaN comes out as lo (callers that need NaN select it back).
+// x limited to [lo, hi] (callers that need NaN select it back): on the device fmin/fmax
+// (one instruction each; NaN comes out as lo), on the host selects, which vectorize where
+// libm's fminf is a call in every lane (NaN passes through).
+#if defined(__CUDA_ARCH__)
 REGEMM_HD float clamp(float x, float lo, float hi) { return ::fminf(::fmaxf(x, lo), hi); }
 REGEMM_HD double clamp(double x, double lo, double hi) { return ::fmin(::fmax(x, lo), hi); }
+#else
+template <class T> inline T clamp(T x, T lo, T hi) { return x < lo ? lo : (x > hi ? hi : x); }
+#endif
 }  // namespace math
 
 // The elementary functions the forward activations are written with, as a
