@@ -1,8 +1,11 @@
 """The CPU backend: the oneDNN GEMM is the one that runs where its wheel is installed,
-and its large-problem path (oneDNN's OpenMP team; problems under a few MFLOP run on the
-calling thread, and the other tests are mostly that small) holds SPEC §5 against the
-float64 NumPy reference with every feature: transposes, alpha, beta*C, every bias kind,
-the Z stash, a batch sharing B and a batch of distinct B."""
+and its large-problem paths hold SPEC §5 against the float64 NumPy reference with every
+feature: transposes, alpha, beta*C, every bias kind, the Z stash, a batch sharing B and a
+batch of distinct B. Problems under a few MFLOP run on the calling thread (the other tests
+are mostly that small); larger ones split their output into blocks of at least 256 rows
+and columns, a task each on XLA's thread pool (bands of rows; f32 also columns, where
+threads are left), and one left in one block runs on oneDNN's OpenMP team. The shapes
+below take each way on any machine of 2 or more cores, with uneven last blocks."""
 
 from __future__ import annotations
 
@@ -18,8 +21,10 @@ import jax_regemm as rg
 
 pytestmark = pytest.mark.skipif(not on_cpu(), reason="the CPU backend")
 
-# 2*M*N*K = 67 MFLOP: above the single-thread threshold of every dtype.
-M, K, N = 320, 256, 410
+# Above the single-thread threshold of every dtype (2*M*N*K >= 16 MFLOP); "team": one
+# block; "bands": bands of rows (16-bit: of a non-transposed A, else the team); "columns":
+# blocks of columns in f32 (16-bit: the team).
+SHAPES = {"team": (320, 256, 410), "bands": (771, 256, 300), "columns": (300, 256, 771)}
 
 
 def _wheel_installed():
@@ -39,10 +44,12 @@ def test_onednn_kernel_registered():
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("trans_a,trans_b", [(False, False), (True, False), (False, True), (True, True)])
-@pytest.mark.parametrize("bias_kind", ["per_col", "per_row", "scalar"])
-def test_large_gemm_every_feature(rand, dtype, trans_a, trans_b, bias_kind):
-    a, b, _, c = rand.operands(M, N, K, dtype, trans_a=trans_a, trans_b=trans_b, with_c=True)
-    blen = {"per_col": N, "per_row": M, "scalar": 1}[bias_kind]
+@pytest.mark.parametrize("shape,bias_kind", [("team", "per_col"), ("team", "per_row"), ("team", "scalar"),
+                                             ("bands", "per_row"), ("columns", "per_col")])  # a block's bias offset
+def test_large_gemm_every_feature(rand, dtype, trans_a, trans_b, shape, bias_kind):
+    m, k, n = SHAPES[shape]
+    a, b, _, c = rand.operands(m, n, k, dtype, trans_a=trans_a, trans_b=trans_b, with_c=True)
+    blen = {"per_col": n, "per_row": m, "scalar": 1}[bias_kind]
     bias = jnp.asarray(rand.gen.standard_normal(blen), dtype)
     alpha, beta = rand.scalar(), rand.scalar()
     y, z = jax.jit(lambda a, b, bias, c: rg.gemm_bias_act_fwd(
@@ -55,12 +62,27 @@ def test_large_gemm_every_feature(rand, dtype, trans_a, trans_b, bias_kind):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_large_batches(rand, dtype):
-    """vmap over A with B shared (one GEMM of batch*M rows) and over both (a batched GEMM)."""
-    a, b, bias, _ = rand.operands(M, N, K, dtype, bias_shape=(N,), batch_a=(3,), batch_b=(3,))
+@pytest.mark.parametrize("shape", ["team", "columns"])
+def test_large_batches(rand, dtype, shape):
+    """vmap over A with B shared (one GEMM of batch*M rows: bands) and over both (a batched
+    GEMM: each block spans every problem of the batch)."""
+    m, k, n = SHAPES[shape]
+    a, b, bias, _ = rand.operands(m, n, k, dtype, bias_shape=(n,), batch_a=(3,), batch_b=(3,))
     shared = jax.vmap(lambda a: rg.gemm_bias_act(a, b[0], bias, act="silu"))(a)
     each = jax.vmap(lambda a, b: rg.gemm_bias_act(a, b, bias, act="silu"))(a, b)
     ref_shared, _ = np_gemm_bias_act(f64(a), f64(b[0]), f64(bias), act="silu", bias_kind="per_col")
     ref_each, _ = np_gemm_bias_act(f64(a), f64(b), f64(bias), act="silu", bias_kind="per_col")
     assert_rel(shared, ref_shared, dtype, what="B shared")
     assert_rel(each, ref_each, dtype, what="B per example")
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("shape", ["bands", "columns"])
+def test_large_z_without_act(rand, dtype, shape):
+    """act none with the Z stash: each block's Z copied into Y."""
+    m, k, n = SHAPES[shape]
+    a, b, bias, _ = rand.operands(m, n, k, dtype, bias_shape=(n,))
+    y, z = jax.jit(lambda a, b, bias: rg.gemm_bias_act_fwd(a, b, bias, act="none", return_z=True))(a, b, bias)
+    yr, _ = np_gemm_bias_act(f64(a), f64(b), f64(bias), act="none", bias_kind="per_col")
+    assert_rel(y, yr, dtype, what="Y")
+    assert_rel(z, yr, dtype, what="Z")
