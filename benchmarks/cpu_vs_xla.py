@@ -8,12 +8,13 @@ differ for 16-bit inputs, where XLA's CPU dot with a bf16 result is several
 times slower than the one with an f32 result.
 
 For each shape (M x K x N), dtype and activation: the jitted forward, and the
-jitted forward+backward (grad of sum(y**2) with respect to x, w and b). Our
-runs and XLA's alternate, so all see the same machine state; the figure is
-the median wall time (on the CPU the call blocks until the result is ready),
-per call; --block N times N calls of one side back to back per sample (the
-steady state of a loop of one program, against each call following the
-other side's).
+jitted forward+backward (grad of sum(y**2) with respect to x, w and b). Each
+repeat times one call of every program, in a shuffled order, so all see the
+same machine state; a speed-up is the median over repeats of the two sides'
+ratio within a repeat (wall time: on the CPU the call blocks until the result
+is ready), and the ms columns are each side's median. --block N times N calls
+of one side back to back per sample (the steady state of a loop of one
+program, against each call following another side's).
 --ab NAME=VAR=VALUE adds a side: ours compiled with the environment variable VAR
 set to VALUE (an A/B of a lowering choice in the same process).
 
@@ -27,6 +28,7 @@ import argparse
 import json
 import os
 import platform
+import random
 import statistics
 import time
 
@@ -51,20 +53,30 @@ PLAIN_ACT = {
 }
 
 
-def paired_median_ms(fns, args, repeats, block=1):
-    """Median ms per call of each of fns on args, their runs alternating: each sample is
-    `block` calls of one function back to back (1: every call follows the other side's)."""
+def paired_times_ms(fns, args, repeats, block=1, seed=0):
+    """Ms per call of each of fns on args, one list per function: a sample of each per
+    repeat, in a shuffled order (no side always follows the same other); each sample is
+    `block` calls of one function back to back (1: every call follows another side's)."""
     for _ in range(3):
         for f in fns:
             jax.block_until_ready(f(*args))
+    rng = random.Random(seed)
     ts = [[] for _ in fns]
     for _ in range(repeats):
-        for f, t in zip(fns, ts):
+        order = list(range(len(fns)))
+        rng.shuffle(order)
+        for i in order:
             t0 = time.perf_counter()
             for _ in range(block):
-                jax.block_until_ready(f(*args))
-            t.append((time.perf_counter() - t0) / block)
-    return [1e3 * statistics.median(t) for t in ts]
+                jax.block_until_ready(fns[i](*args))
+            ts[i].append(1e3 * (time.perf_counter() - t0) / block)
+    return ts
+
+
+def paired_speedup(t_other, t_ours):
+    """The median over repeats of other/ours within one repeat: the machine's slow and fast
+    spells (longer than a repeat) cancel, where a ratio of two medians keeps them."""
+    return statistics.median(o / u for o, u in zip(t_other, t_ours))
 
 
 def compiled(f, args, env=None):
@@ -116,14 +128,16 @@ def main():
                     fns = [compiled(fo, (x, w, b)), compiled(fx, (x, w, b)), compiled(fp, (x, w, b))]
                     if ab:
                         fns.append(compiled(fo, (x, w, b), ab[1:]))
-                    to, tx, tp, *ta = paired_median_ms(fns, (x, w, b), args.repeats, args.block)
-                    rec = dict(shape=shape, dtype=dtype, act=act, mode=mode, regemm_ms=to, xla_ms=tx, speedup=tx / to,
-                               plain_ms=tp, plain_speedup=tp / to)
-                    line = (f"| {shape} | {dtype} | {act} | {mode} | {to:.3f} | {tx:.3f} | {tx / to:.2f} | {tp:.3f} "
-                            f"| {tp / to:.2f} |")
+                    ts = paired_times_ms(fns, (x, w, b), args.repeats, args.block)
+                    to, tx, tp, *ta = (statistics.median(t) for t in ts)
+                    sx, sp = paired_speedup(ts[1], ts[0]), paired_speedup(ts[2], ts[0])
+                    rec = dict(shape=shape, dtype=dtype, act=act, mode=mode, regemm_ms=to, xla_ms=tx, speedup=sx,
+                               plain_ms=tp, plain_speedup=sp)
+                    line = f"| {shape} | {dtype} | {act} | {mode} | {to:.3f} | {tx:.3f} | {sx:.2f} | {tp:.3f} | {sp:.2f} |"
                     if ab:
-                        rec[ab[0]] = dict(env=f"{ab[1]}={ab[2]}", ms=ta[0], speedup=tx / ta[0])
-                        line += f" {ta[0]:.3f} | {tx / ta[0]:.2f} |"
+                        sa = paired_speedup(ts[1], ts[3])
+                        rec[ab[0]] = dict(env=f"{ab[1]}={ab[2]}", ms=ta[0], speedup=sa)
+                        line += f" {ta[0]:.3f} | {sa:.2f} |"
                     print(line, flush=True)
                     records.append(rec)
     summaries = [("regemm", lambda r: r["speedup"]), ("regemm against plain", lambda r: r["plain_speedup"])]
