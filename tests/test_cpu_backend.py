@@ -4,7 +4,7 @@ feature: transposes, alpha, beta*C, every bias kind, the Z stash, a batch sharin
 batch of distinct B. Problems under a few MFLOP run on the calling thread (the other tests
 are mostly that small); larger ones split their output into blocks of at least 256 rows
 and columns, a task each on XLA's thread pool (bands of rows; f32 also columns, where
-threads are left; f32 at half the size where that leaves one block), and one left in one
+threads are left; at half the size where that leaves one block), and one left in one
 block runs on oneDNN's OpenMP team. The shapes below take each way on any machine of 2 or
 more cores, with uneven last blocks."""
 
@@ -22,10 +22,10 @@ import jax_regemm as rg
 
 pytestmark = pytest.mark.skipif(not on_cpu(), reason="the CPU backend")
 
-# Above the single-thread threshold of every dtype (2*M*N*K >= 16 MFLOP). "narrow": f32
-# splits into blocks of 128 (one block of 256 would be left), 16-bit runs on oneDNN's team;
-# "bands": bands of rows (16-bit: of a non-transposed A, else the team); "columns": blocks
-# of columns in f32 (16-bit: the team); "team": one block in every dtype.
+# Above the single-thread threshold of every dtype (2*M*N*K >= 16 MFLOP). "bands": bands of
+# rows (16-bit: of a non-transposed A, else oneDNN's team); "columns": blocks of columns in
+# f32 (16-bit: the team); "narrow": blocks of 128, where blocks of 256 would leave one (16-bit:
+# bands of a non-transposed A, else the team); "team": one block in every dtype.
 SHAPES = {"narrow": (320, 256, 410), "bands": (771, 256, 300), "columns": (300, 256, 771), "team": (200, 512, 200)}
 
 
