@@ -193,10 +193,9 @@ const Plan* plan_of(const GemmProblem& p, int64_t rows, int64_t cols) {
 // to another thread costs more than the GEMM (64x64x128 f32 relu
 // forward+backward: 0.38x XLA's speed split, 0.87x whole; gelu 0.38x and
 // 1.06x). 16-bit GEMMs run on AMX, several times faster per flop.
-bool one_task(const GemmProblem& p) {
-  const double flops = 2.0 * double(p.m) * double(p.n) * double(p.k) * double(p.batch);
-  return flops < (p.dtype == DType::kF32 ? 4e6 : 16e6);
-}
+double flops(const GemmProblem& p) { return 2.0 * double(p.m) * double(p.n) * double(p.k) * double(p.batch); }
+
+bool one_task(const GemmProblem& p) { return flops(p) < (p.dtype == DType::kF32 ? 4e6 : 16e6); }
 
 bool supports(const GemmProblem& p) { return p.k > 0 && p.m > 0 && p.n > 0 && dtype_ok(p.dtype); }
 
@@ -274,12 +273,15 @@ struct Grid {
 // with it split; 256x4096x1024 bf16 forwards 1.8-3.0 ms on the team, 1.9-2.2 in
 // two bands). 16-bit blocks are bands of a non-transposed A only: oneDNN's AMX
 // kernels take dense operands alone, and on a strided block it runs a kernel
-// 2-4x slower. A problem left in one block runs on oneDNN's team, unless it is
-// small.
+// 2-4x slower. Every block carries at least 32 MFLOP (f32; 128 in 16-bit, on
+// AMX): handing a task to another core costs about 0.1 ms on the VM (256x128x128
+// f32 forward+backward in blocks of 4 MFLOP: 0.77 of the plain program's speed,
+// 1.24 on the team). A problem left in one block runs on oneDNN's team, unless
+// it is small.
 Grid grid_of(const GemmProblem& p, const CpuRuntime& rt) {
   if (one_task(p)) return Grid{1, 1, p.m, p.n, false};
-  const int64_t threads = rt.workers();
   const bool f32 = p.dtype == DType::kF32;
+  const int64_t threads = std::min(rt.workers(), std::max<int64_t>(1, int64_t(flops(p) / (f32 ? 32e6 : 128e6))));
   int64_t nr = 1, nc = 1;
   for (const int64_t size : {kMinBlock, kMinBlock / 2}) {
     nr = f32 || !p.trans_a ? std::clamp<int64_t>(p.m / size, 1, threads) : 1;
