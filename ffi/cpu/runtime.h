@@ -75,18 +75,15 @@ struct CpuRuntime {
     return kernel.run(p, o, *this);
   }
 
-  // Threads parallel_for will use.
-  int64_t threads() const {
-    const int64_t t = pool ? pool->num_threads() : 0;
-    return t > 0 ? t + 1 : std::max<int64_t>(1, std::thread::hardware_concurrency());
-  }
-
   // Threads a GEMM splits its output over: the pool's (one per core), or the
   // machine's cores where there is no pool.
   int64_t workers() const {
     const int64_t t = pool ? pool->num_threads() : 0;
     return t > 0 ? t : std::max<int64_t>(1, std::thread::hardware_concurrency());
   }
+
+  // Threads parallel_for will use: the pool's and the caller's.
+  int64_t threads() const { return pool && pool->num_threads() > 0 ? workers() + 1 : workers(); }
 
   // Runs fn(i) for i in [0, n), spread over the pool; returns when all are done.
   void parallel_for(int64_t n, const std::function<void(int64_t)>& fn) const {
