@@ -1,15 +1,15 @@
-// Test-only C API over the CUTLASS sm90 kernels (ffi/cuda/cutlass_dispatch.h),
+// Test-only C API over the CUTLASS sm90 kernels (ffi/cuda/cutlass/cutlass_dispatch.h),
 // so that tests/cutlass_check.py can drive them from Python (ctypes + PyTorch
 // buffers) without XLA: correctness of every epilogue combination and
 // per-configuration timing, independent of the FFI module.
 //
-//   nvcc -shared -Xcompiler -fPIC tests/cutlass_capi.cu ffi/cuda/cutlass_dispatch.cu ffi/cuda/epilogue_pass.cu \
+//   nvcc -shared -Xcompiler -fPIC tests/cutlass_capi.cu ffi/cuda/cutlass/cutlass_dispatch.cu ffi/cuda/epilogue/epilogue_pass.cu \
 //     <kernel objects> -o lib.so
 #include <cuda_runtime.h>
 
 #include <cstdio>
 
-#include "../ffi/cuda/cutlass_dispatch.h"
+#include "cuda/cutlass/cutlass_dispatch.h"
 
 using namespace regemm;
 using namespace regemm::cutlass_sm90;

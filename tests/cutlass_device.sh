@@ -5,7 +5,7 @@
 #   tests/cutlass_device.sh [PREBUILT_DIR] [check.py args...]
 #
 # Kernel objects: PREBUILT_DIR (default .cutlass_prebuilt) if its stamp matches
-# the sources, else built here (ffi/cuda/cutlass_prebuild.sh, 16 at a time,
+# the sources, else built here (ffi/cuda/cutlass/prebuild.sh, 16 at a time,
 # ~3 min) and sent back as $OUT/cutlass_prebuilt.tgz for the next run. CUTLASS
 # headers: the nvidia-cutlass wheel from .whl/ (carried: no network there).
 #
@@ -23,19 +23,19 @@ if ls .whl/nvidia_cutlass*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/nvidia_cutlass*.whl && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 ROOT=$(python3 -c "import importlib.util as u, os; s = u.find_spec('cutlass_library'); print(os.path.join(list(s.submodule_search_locations)[0], 'source') if s else '')")
-STAMP=$([ -n "$ROOT" ] && ffi/cuda/cutlass_stamp.sh "$ROOT")
-if [ -z "$STAMP" ] || [ "$(cat "$PRE/sources.sha256" 2>/dev/null)" != "$STAMP" ]; then
+STAMP=$([ -n "$ROOT" ] && cmake -DSTAMP=fwd -DCUTLASS_ROOT="$ROOT" -P ffi/cuda/cutlass/kernels.cmake 2>&1)
+if [ -z "$STAMP" ] || [ "$(cat "$PRE/fwd.sha256" 2>/dev/null)" != "$STAMP" ]; then
   [ -n "$ROOT" ] || { echo "no prebuilt kernels for these sources and no CUTLASS headers"; exit 1; }
   echo "building the kernels here"
   PRE=/tmp/cutlass_objs
-  ffi/cuda/cutlass_prebuild.sh $PRE 16 2>&1 | tail -3 | tee "$OUT/build.log" || exit 1
-  tar czf "$OUT/cutlass_prebuilt.tgz" -C $PRE $(cd $PRE && ls cutlass_*.o sources.sha256)
+  ffi/cuda/cutlass/prebuild.sh $PRE 16 2>&1 | tail -3 | tee "$OUT/build.log" || exit 1
+  tar czf "$OUT/cutlass_prebuilt.tgz" -C $PRE $(cd $PRE && ls cutlass_*.o *.sha256)
   echo "kernels built in $((SECONDS - t0)) s"
 fi
 
-FLAGS="-std=c++17 -O3 -DNDEBUG --expt-relaxed-constexpr -gencode=arch=compute_90a,code=sm_90a -Xcompiler=-fPIC"
+FLAGS="$(cmake -DFLAGS=1 -P ffi/cuda/cutlass/kernels.cmake 2>&1) -Xcompiler=-fPIC"
 LIB=/tmp/libregemm_cutlass_check.so
-nvcc $FLAGS -shared -Iffi/cuda tests/cutlass_capi.cu ffi/cuda/cutlass_dispatch.cu ffi/cuda/epilogue_pass.cu "$PRE"/cutlass_*.o -o $LIB 2>&1 | grep -v "warning #\|^$\|Remark" || true
+nvcc $FLAGS -shared -Iffi -Iffi/cuda/cutlass tests/cutlass_capi.cu ffi/cuda/cutlass/cutlass_dispatch.cu ffi/cuda/epilogue/epilogue_pass.cu "$PRE"/cutlass_*.o -o $LIB 2>&1 | grep -v "warning #\|^$\|Remark" || true
 [ -f $LIB ] || { echo "link failed"; exit 1; }
 echo "HGMMA instructions in the bf16 128x256 kernel: $(cuobjdump -sass "$PRE"/cutlass_bf16_ff_coop.o 2>/dev/null | grep -c HGMMA)"
 PYTHONUNBUFFERED=1 timeout "${CHECK_S:-200}" python3 tests/cutlass_check.py --lib $LIB --out "$OUT" "$@" 2>&1 | tee "$OUT/check.log"

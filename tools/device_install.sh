@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Source this on the GPU machine (no network) before anything that imports
 # jax_regemm there: it puts the CUTLASS headers of a carried wheel on the path
-# (.whl/nvidia_cutlass-*.whl; cutlass.cmake finds them through Python) and
+# (.whl/nvidia_cutlass-*.whl; build.cmake finds them through Python) and
 # installs the package with the CUDA extension, linking the carried CUTLASS
-# kernel objects (.cutlass_prebuilt, built here with ffi/cuda/cutlass_prebuild.sh)
+# kernel objects (.cutlass_prebuilt, built here with ffi/cuda/cutlass/prebuild.sh)
 # where their stamp matches the sources. On a machine that is still warm from
 # an earlier call the build directory is kept, so this is an incremental build.
 #   source tools/device_install.sh            (from the repository root)

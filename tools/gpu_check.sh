@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Device check of the CUDA backend. Run on the GPU machine from the repository
 # root; needs no network. In one go (9-10 minutes on an H100 with the CUTLASS
-# kernel objects prebuilt, ffi/cuda/cutlass_prebuild.sh, and build/ left by a
+# kernel objects prebuilt, ffi/cuda/cutlass/prebuild.sh, and build/ left by a
 # build just before on the same machine: the package's build directory is
 # kept, so the check's own build is incremental, 37 s against 103-122 s), or in
 # two calls (GPU_CHECK_PARTS below):
@@ -74,7 +74,7 @@ NVCC="nvcc -std=c++17 -O2 -gencode=arch=compute_90a,code=sm_90a"
 BIN="$(mktemp -d)"
 trap 'rm -rf "$BIN"' EXIT
 $NVCC -o "$BIN/tma_repro" tools/tma_sanitizer_repro.cu >>"$OUT/build.log" 2>&1 || build_rc=98
-$NVCC -Iffi/cuda -o "$BIN/sanitize_pass" tools/sanitize_pass.cu ffi/cuda/epilogue_pass.cu >>"$OUT/build.log" 2>&1 \
+$NVCC -Iffi -o "$BIN/sanitize_pass" tools/sanitize_pass.cu ffi/cuda/epilogue/epilogue_pass.cu >>"$OUT/build.log" 2>&1 \
   || build_rc=97
 build_s=$((SECONDS - t0))
 

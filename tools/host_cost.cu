@@ -17,7 +17,7 @@
 //     relu layer's, whose forward was a cuBLASLt kernel and not CUTLASS's.
 //
 //   nvcc -std=c++17 -O3 -DNDEBUG --expt-relaxed-constexpr -gencode=arch=compute_90a,code=sm_90a \
-//     -Iffi/cuda tools/host_cost.cu ffi/cuda/cutlass_dispatch.cu ffi/cuda/epilogue_pass.cu \
+//     -Iffi -Iffi/cuda/cutlass tools/host_cost.cu ffi/cuda/cutlass/cutlass_dispatch.cu ffi/cuda/epilogue/epilogue_pass.cu \
 //     .cutlass_prebuilt/cutlass_*.o -lcublas -lcublasLt -o /tmp/host_cost && /tmp/host_cost
 #include <cublasLt.h>
 #include <cublas_v2.h>
@@ -32,7 +32,7 @@
 #include <thread>
 #include <vector>
 
-#include "../ffi/cuda/cutlass_dispatch.h"
+#include "cuda/cutlass/cutlass_dispatch.h"
 
 using namespace regemm;
 using namespace regemm::cutlass_sm90;

@@ -1,4 +1,4 @@
-// The epilogue pass (ffi/cuda/epilogue_pass.cu) alone, for initcheck and
+// The epilogue pass (ffi/cuda/epilogue/epilogue_pass.cu) alone, for initcheck and
 // racecheck. In the product it reads a GEMM output that CUTLASS's or
 // cuBLASLt's sm90 kernels stored through the copy engine (TMA), which those
 // two tools cannot see (tools/tma_sanitizer_repro.cu), so inside XLA every
@@ -8,8 +8,8 @@
 // bias kind, with C and Z, a batch of 2; each result is checked against a
 // float64 host evaluation of the same activation (activation.h).
 //
-//   nvcc -std=c++17 -O2 -gencode=arch=compute_90a,code=sm_90a -Iffi/cuda \
-//     -o tools/sanitize_pass tools/sanitize_pass.cu ffi/cuda/epilogue_pass.cu
+//   nvcc -std=c++17 -O2 -gencode=arch=compute_90a,code=sm_90a -Iffi \
+//     -o tools/sanitize_pass tools/sanitize_pass.cu ffi/cuda/epilogue/epilogue_pass.cu
 #include <cuda_runtime.h>
 
 #include <cmath>
@@ -17,7 +17,7 @@
 #include <random>
 #include <vector>
 
-#include "../ffi/cuda/epilogue_pass.h"
+#include "cuda/epilogue/epilogue_pass.h"
 
 using namespace regemm;
 

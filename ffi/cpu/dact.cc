@@ -6,7 +6,7 @@
 #include <algorithm>
 #include <vector>
 
-#include "../regemm/handlers.h"
+#include "regemm/handlers.h"
 #include "elementwise.h"
 #include "runtime.h"
 

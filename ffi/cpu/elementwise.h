@@ -7,7 +7,7 @@
 
 #include <cstdint>
 
-#include "../regemm/problem.h"
+#include "regemm/problem.h"
 
 namespace regemm {
 

@@ -4,8 +4,8 @@
 // (with_act makes the activation a compile-time constant).
 #include <vector>
 
-#include "../regemm/activation.h"
-#include "../regemm/numeric.h"
+#include "regemm/activation.h"
+#include "regemm/numeric.h"
 #include "elementwise.h"
 
 #ifndef REGEMM_ISA

@@ -7,7 +7,7 @@
 #include <type_traits>
 #include <vector>
 
-#include "../regemm/handlers.h"
+#include "regemm/handlers.h"
 #include "runtime.h"
 
 namespace regemm {

@@ -2,8 +2,8 @@
 // for the CPU runtime and exported to Python as capsules.
 #include <nanobind/nanobind.h>
 
-#include "../regemm/handlers.h"
-#include "../regemm/module_util.h"
+#include "regemm/handlers.h"
+#include "regemm/module_util.h"
 #include "runtime.h"
 
 namespace nb = nanobind;

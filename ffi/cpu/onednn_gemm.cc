@@ -6,7 +6,7 @@
 //   Y = act(Z)                                     (elementwise.h, in cache-sized chunks)
 //
 // The activation is ours, not a oneDNN eltwise post-op: oneDNN's relu turns
-// NaN into 0 and its gelu loses the negative tail (SPEC §3 wants NaN out and
+// NaN into 0 and its gelu loses the negative tail (docs/spec.md §3 wants NaN out and
 // relative accuracy), and one place defines the activations for every backend.
 // Without store_z the matmul writes Z into Y's buffer and the pass is in place.
 //
@@ -37,7 +37,7 @@
 #include <dnnl.hpp>
 #include <omp.h>
 
-#include "../regemm/handlers.h"
+#include "regemm/handlers.h"
 #include "elementwise.h"
 #include "runtime.h"
 

@@ -11,10 +11,12 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 
-#include "../regemm/handlers.h"
-#include "../regemm/module_util.h"
-#include "cutlass_dgrad.h"
-#include "cutlass_kernels.h"
+#include <utility>
+
+#include "regemm/handlers.h"
+#include "regemm/module_util.h"
+#include "cuda/cutlass/cutlass_dgrad.h"
+#include "cuda/cutlass/cutlass_kernels.h"
 #include "runtime.h"
 #include "tuner.h"
 #include "workspace.h"
@@ -86,6 +88,23 @@ NB_MODULE(_regemm_cuda, m) {
   m.def("cutlass_one_act_launches", [] { return regemm::cutlass_sm90::g_one_act_launches.load(); });
   m.def("cutlass_dgrad_dact_launches", [] { return regemm::cutlass_sm90::g_dgrad_dact_launches.load(); });
   m.def("cutlass_dgrad_bias_sums", [] { return regemm::cutlass_sm90::g_dgrad_bias_sums.load(); });
+  // The dtypes this build has CUTLASS forward kernels of (REGEMM_CUTLASS_DTYPES; none without
+  // the CUTLASS headers), so that tests of the others skip.
+  m.def("cutlass_dtypes", [] {
+    using regemm::cutlass_sm90::Config;
+    using regemm::cutlass_sm90::KernelTable;
+    nb::list out;
+    const std::pair<regemm::DType, const char*> dtypes[] = {
+        {regemm::DType::kBF16, "bfloat16"}, {regemm::DType::kF16, "float16"}, {regemm::DType::kF32, "float32"}};
+    for (const auto& [t, name] : dtypes) {
+      bool built = false;
+      for (int c = 0; c < regemm::cutlass_sm90::kNumConfigs; ++c)
+        for (bool ta : {false, true})
+          for (bool tb : {false, true}) built = built || KernelTable::get().find(t, ta, tb, Config(c)) != nullptr;
+      if (built) out.append(name);
+    }
+    return out;
+  });
   // (handler calls, seconds of host time in them) so far (runtime.h).
   m.def("host_time", [] { return nb::make_tuple(regemm::g_host_calls.load(), regemm::g_host_ns.load() * 1e-9); });
   // The host timeline (host_marks.h): [(phase, monotonic ns)] recorded since the

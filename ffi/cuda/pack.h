@@ -8,7 +8,7 @@
 #include <cstring>
 #include <type_traits>
 
-#include "../regemm/numeric.h"
+#include "regemm/numeric.h"
 
 namespace regemm {
 

@@ -18,8 +18,8 @@
 #include <cstdint>
 #include <string>
 
-#include "../regemm/problem.h"
-#include "../regemm/registry.h"
+#include "regemm/problem.h"
+#include "regemm/registry.h"
 #include "host_marks.h"
 #include "workspace.h"
 #include "xla/ffi/api/ffi.h"

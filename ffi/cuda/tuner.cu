@@ -57,8 +57,8 @@
 
 #include <unistd.h>  // environ
 
-#include "../regemm/env.h"
-#include "../regemm/handlers.h"
+#include "regemm/env.h"
+#include "regemm/handlers.h"
 #include "pack.h"
 #include "runtime.h"
 
@@ -71,7 +71,7 @@ using DgradDactEntry = Kernel<DgradDactProblem, DgradDactOperands, CudaRuntime>;
 // The variables that change the candidate lists or what a candidate runs: a
 // winner found with one of them set is not reused without it, nor the other
 // way round.
-constexpr const char* kWayVars[] = {"REGEMM_BACKEND",         "REGEMM_VARIANT",         "REGEMM_CUTLASS",
+constexpr const char* kWayVars[] = {"REGEMM_BACKEND",         "REGEMM_VARIANT",         "REGEMM_USE_CUTLASS",
                                     "REGEMM_CUTLASS_CONFIG",  "REGEMM_CUTLASS_SPLIT",   "REGEMM_CUTLASS_F32_BT",
                                     "REGEMM_CUTLASS_TMA_STRIDE0", "REGEMM_CUTLASS_ONE_ACT", "REGEMM_FUSED_DGRAD",
                                     "REGEMM_TUNE_MARGIN"};

@@ -13,8 +13,8 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "../regemm/problem.h"
-#include "cutlass_dgrad.h"
+#include "regemm/problem.h"
+#include "cuda/cutlass/cutlass_dgrad.h"
 
 namespace regemm {
 

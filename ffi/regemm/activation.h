@@ -1,4 +1,4 @@
-// The activations of SPEC §3 and their derivatives, defined once for the CPU
+// The activations of docs/spec.md §3 and their derivatives, defined once for the CPU
 // and CUDA kernels. Each works in the accumulation type T (float or double).
 //
 // Stability: no overflow for |z| up to 1e30 (sigmoid picks the branch whose
@@ -46,7 +46,7 @@ template <class F> bool with_act(Act act, F&& f) {
   return false;
 }
 
-// act' can be read off Y = act(Z) for these (SPEC §4, save="y"); leaky_relu
+// act' can be read off Y = act(Z) for these (docs/spec.md §4, save="y"); leaky_relu
 // needs slope > 0 so that the sign of Y still tells the branch.
 inline bool grad_from_y_ok(Act act, double slope) {
   switch (act) {

@@ -23,7 +23,7 @@ inline bool parse_dtype(std::string_view name, DType* t) {
   return false;
 }
 
-// Where the bias broadcasts from (SPEC §2). The names are the Python API's.
+// Where the bias broadcasts from (docs/spec.md §2). The names are the Python API's.
 enum class BiasKind : int { kNone, kScalar, kPerRow, kPerCol };
 inline constexpr std::string_view kBiasKindNames[] = {"none", "scalar", "per_row", "per_col"};
 

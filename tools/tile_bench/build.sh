@@ -10,7 +10,7 @@
 # the suffix (TILE_DEFS: extra -D flags), into the same $TILE_OBJ; TILE_KEEP=1
 # keeps the objects already there (build the base variants first). A change
 # inside a kernel must also rename the kernel's type in the copy (e.g. an
-# inline namespace around cutlass_epilogue.cuh's): kernels of one type from two
+# inline namespace around cuda/cutlass/cutlass_epilogue.cuh's): kernels of one type from two
 # objects share one host stub, and both names would run the same kernel.
 # On the GPU machine: LD_LIBRARY_PATH=<site-packages>/nvidia/cu13/lib
 #   tools/tile_bench/tile_bench M:K:N:ACT:Z ...   (ACT: regemm::Act value; Z: 1 stores Z)
@@ -29,8 +29,8 @@ mkdir -p "$OBJ"
 for spec in "$@"; do
   IFS=: read -r sched m n cm cn ta tb <<< "$spec"
   d="-DTILE_SCHED=$sched -DTILE_M=$m -DTILE_N=$n -DTILE_CM=$cm -DTILE_CN=$cn -DTILE_TA=${ta:-0} -DTILE_TB=${tb:-0}"
-  echo "nvcc $FLAGS -I$FFI/cuda -I$CL/include -I$CL/tools/util/include $d -DTILE_TAG=$TAG ${TILE_DEFS:-} -c variant.cu -o $OBJ/${spec//:/_}$TAG.o"
+  echo "nvcc $FLAGS -I$FFI/cuda/cutlass -I$FFI -I$CL/include -I$CL/tools/util/include $d -DTILE_TAG=$TAG ${TILE_DEFS:-} -c variant.cu -o $OBJ/${spec//:/_}$TAG.o"
 done | xargs -P "$JOBS" -I{} bash -c "{}"
-nvcc $FLAGS -I../../ffi/cuda -I$CL/include -I$CB/include -c main.cu -o "$OBJ/main.o"
+nvcc $FLAGS -I../../ffi/cuda/cutlass -I../../ffi -I$CL/include -I$CB/include -c main.cu -o "$OBJ/main.o"
 nvcc -gencode=arch=compute_90a,code=sm_90a "$OBJ"/*.o -L"$CB/lib" -Xlinker -l:libcublas.so.13 -o tile_bench
 ls -la tile_bench

@@ -1,4 +1,4 @@
-// One bf16 tile variant of the regemm CUTLASS kernel (ffi/cuda/cutlass_gemm.cuh,
+// One bf16 tile variant of the regemm CUTLASS kernel (ffi/cuda/cutlass/cutlass_gemm.cuh,
 // same epilogue), chosen at compile time (build.sh sets these):
 //   TILE_SCHED  coop, ping or streamk (cooperative, ping-pong, cooperative + stream-K)
 //   TILE_M, TILE_N, TILE_CM, TILE_CN   tile and cluster shape

@@ -14,7 +14,7 @@
 
 #include "cutlass_dgrad.h"
 #include "cutlass_kernels.h"
-#include "epilogue_pass.h"
+#include "cuda/epilogue/epilogue_pass.h"
 
 namespace regemm::cutlass_sm90 {
 

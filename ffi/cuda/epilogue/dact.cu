@@ -25,10 +25,10 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "../regemm/handlers.h"
-#include "pack.h"
-#include "runtime.h"
-#include "workspace.h"
+#include "regemm/handlers.h"
+#include "cuda/pack.h"
+#include "cuda/runtime.h"
+#include "cuda/workspace.h"
 
 namespace regemm {
 namespace {

@@ -36,7 +36,7 @@
 #include "cutlass/epilogue/fusion/operations.hpp"
 #include "cutlass/epilogue/fusion/sm90_callbacks_tma_warpspecialized.hpp"
 
-#include "../regemm/activation.h"
+#include "regemm/activation.h"
 #include "cutlass_kernels.h"
 
 namespace regemm::cutlass_sm90 {

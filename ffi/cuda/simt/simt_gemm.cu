@@ -14,8 +14,8 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "../regemm/handlers.h"
-#include "runtime.h"
+#include "regemm/handlers.h"
+#include "cuda/runtime.h"
 
 namespace regemm {
 namespace {

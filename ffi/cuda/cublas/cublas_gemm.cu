@@ -46,11 +46,11 @@
 #include <unordered_map>
 #include <vector>
 
-#include "../regemm/env.h"
-#include "../regemm/handlers.h"
-#include "epilogue_pass.h"
-#include "pack.h"
-#include "runtime.h"
+#include "regemm/env.h"
+#include "regemm/handlers.h"
+#include "cuda/epilogue/epilogue_pass.h"
+#include "cuda/pack.h"
+#include "cuda/runtime.h"
 
 namespace regemm {
 namespace {

@@ -8,10 +8,10 @@
 #include <algorithm>
 #include <cstdint>
 
-#include "../regemm/activation.h"
-#include "../regemm/numeric.h"
+#include "regemm/activation.h"
+#include "regemm/numeric.h"
 #include "epilogue_pass.h"
-#include "pack.h"
+#include "cuda/pack.h"
 
 namespace regemm {
 namespace {

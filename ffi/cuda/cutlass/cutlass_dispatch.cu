@@ -9,11 +9,11 @@
 #include <mutex>
 #include <string>
 
-#include "../regemm/env.h"
-#include "../regemm/numeric.h"
-#include "host_marks.h"
-#include "pack.h"
-#include "workspace.h"
+#include "regemm/env.h"
+#include "regemm/numeric.h"
+#include "cuda/host_marks.h"
+#include "cuda/pack.h"
+#include "cuda/workspace.h"
 
 namespace regemm::cutlass_sm90 {
 
@@ -61,7 +61,7 @@ bool can_run(const GemmProblem& p) {
   auto aligned = [&](int64_t elems) { return (elems * e) % 16 == 0; };
   if (!aligned(p.lda()) || !aligned(p.ldb()) || !aligned(p.n)) return false;
   if (!aligned(p.stride_a) || !aligned(p.stride_b) || (p.has_c && !aligned(p.stride_c))) return false;
-  if (env_off("REGEMM_CUTLASS")) return false;
+  if (env_off("REGEMM_USE_CUTLASS")) return false;
   if (!sm90_device()) return false;
   // At least one kernel of this dtype and layout was built.
   for (int c = 0; c < kNumConfigs; ++c)

@@ -1,13 +1,13 @@
 // The CUTLASS sm90 GEMM as an entry of the CUDA kernel registry. The choice
 // of configuration and the launch are in cutlass_dispatch.cu; the kernels in
-// their own translation units (cutlass.cmake).
+// their own translation units (build.cmake).
 #include <cstdlib>
 #include <string>
 
-#include "../regemm/env.h"
-#include "../regemm/handlers.h"
+#include "regemm/env.h"
+#include "regemm/handlers.h"
 #include "cutlass_dispatch.h"
-#include "runtime.h"
+#include "cuda/runtime.h"
 
 namespace regemm::cutlass_sm90 {
 namespace {

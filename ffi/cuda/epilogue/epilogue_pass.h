@@ -14,7 +14,7 @@
 
 #include <cuda_runtime.h>
 
-#include "../regemm/problem.h"
+#include "regemm/problem.h"
 
 namespace regemm {
 

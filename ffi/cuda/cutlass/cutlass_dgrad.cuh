@@ -320,7 +320,7 @@ namespace regemm::cutlass_sm90 {
 // The kernel: the mainloop of cutlass_gemm.cuh's GemmTypeOf (A row-major, B
 // as stored), this epilogue without C. A type of its own rather than
 // GemmTypeOf's, whose epilogue always has a C (beta * C in the forward) and
-// whose header is in the forward kernels' stamp (cutlass.cmake).
+// whose header is in the forward kernels' stamp (build.cmake).
 template <DType D, bool TB, class Cfg, int Slot>
 struct DgradGemmOf {
   using T = typename Elem<D>::type;

@@ -2,7 +2,7 @@
 // cutlass_kernels.h for the forward): the operands, the table the
 // instantiation TUs (cutlass_dgrad_inst.cu.in) fill in, and the launch they
 // define (cutlass_dgrad.cuh). These and the kernels' sources carry a stamp of
-// their own (cutlass_stamp.sh dgrad), so that changing them rebuilds these
+// their own (kernels.cmake, the dgrad stamp), so that changing them rebuilds these
 // kernels alone.
 #pragma once
 
