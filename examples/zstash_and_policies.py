@@ -74,7 +74,7 @@ def gemm_calls(x, w, b, act, save):
     calls and XLA dots."""
     loss = lambda x, w, b: jnp.sum(rg.dense(x, w, b, act=act, save=save))
     text = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).lower(x, w, b).as_text()
-    return text.count(f"@{rg._ffi.GEMM_TARGET}(") + text.count("stablehlo.dot_general")
+    return text.count(f"@{rg._targets.GEMM.name}(") + text.count("stablehlo.dot_general")
 
 
 def policy_table(x, w, b, acts=("relu", "tanh", "gelu", "silu")):

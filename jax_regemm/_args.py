@@ -1,4 +1,4 @@
-"""Trace-time checks and normalisation of user arguments (SPEC §2, §7).
+"""Trace-time checks and normalisation of user arguments (docs/spec.md §2, §7).
 
 Everything a user can get wrong is caught here, with the argument and the
 shapes named, before anything is lowered. The result is a static `Config`
@@ -45,9 +45,27 @@ class Config:
 
 
 def _array(name, x):
-    if isinstance(x, (jax.Array, np.ndarray)) or hasattr(x, "aval"):
+    """x as a JAX value: a NumPy array becomes one as jnp would take it (float64 is float32 with x64
+    off), so that its dtype is compared as plain jnp compares it."""
+    if isinstance(x, np.ndarray):
+        return jnp.asarray(x)
+    if isinstance(x, jax.Array) or hasattr(x, "aval"):
         return x
     raise TypeError(f"{name} must be an array, got {type(x).__name__}")
+
+
+def _flag(name, x):
+    """A static boolean (a Python or NumPy bool: not a string, whose truth says nothing)."""
+    if not isinstance(x, (bool, np.bool_)):
+        raise TypeError(f"{name} must be True or False, got {type(x).__name__} {x!r}")
+    return bool(x)
+
+
+def check_act(name, act):
+    """act, one of ACTIVATIONS, else a ValueError naming the argument."""
+    if not isinstance(act, str) or act not in ACTIVATIONS:
+        raise ValueError(f"{name}: unknown activation {act!r}; expected one of {ACTIVATIONS}")
+    return act
 
 
 def _dtype_ok(name, x):
@@ -85,7 +103,7 @@ def exact_f32(precision) -> bool:
 
 
 def infer_bias_kind(bias_shape, m, n, bias_kind: Optional[str], name: str = "bias") -> str:
-    """Bias kind from its shape (SPEC §2), or check the explicit `bias_kind`."""
+    """Bias kind from its shape (docs/spec.md §2), or check the explicit `bias_kind`."""
     shape = tuple(bias_shape)
     fits = {
         "scalar": shape in ((), (1,)),
@@ -120,17 +138,20 @@ def _number(name, x):
 
 
 def prepare(a, b, bias, c, *, act, leaky_slope, alpha, beta, trans_a, trans_b, bias_kind, save, precision, return_z,
-            names=("a", "b", "bias", "c")):  # fmt: skip
+            names=("a", "b", "bias", "c"), act_name="act"):  # fmt: skip
     """Checks the arguments; returns (Config, a, b, bias [..., L] or None, c or None).
-    `names`: what the caller calls a, b, bias and c (dense says x, w, b), for the errors."""
+    `names`: what the caller calls a, b, bias and c (dense says x, w, b), and `act_name` the
+    activation's argument, for the errors."""
     na, nb_, nbias, nc = names
+    trans_a, trans_b = _flag("trans_a", trans_a), _flag("trans_b", trans_b)
     a = _array(na, a)
     b = _array(nb_, b)
+    bias = None if bias is None else _array(nbias, bias)
+    c = None if c is None else _array(nc, c)
     _dtype_ok(na, a)
     for name, x in ((nb_, b), (nbias, bias), (nc, c)):
         if x is None:
             continue
-        x = _array(name, x)
         _dtype_ok(name, x)
         if x.dtype != a.dtype:
             raise TypeError(f"{name} has dtype {x.dtype} but {na} has {a.dtype}: mixed dtypes are not supported")
@@ -145,8 +166,7 @@ def prepare(a, b, bias, c, *, act, leaky_slope, alpha, beta, trans_a, trans_b, b
             f"contraction sizes differ: {na} {a.shape} (trans_a={trans_a}) has K={k}, "
             f"{nb_} {b.shape} (trans_b={trans_b}) has K={kb}"
         )
-    if act not in ACTIVATIONS:
-        raise ValueError(f"unknown activation {act!r}; expected one of {ACTIVATIONS}")
+    check_act(act_name, act)
     slope, alpha, beta = _number("leaky_slope", leaky_slope), _number("alpha", alpha), _number("beta", beta)
     if save not in SAVE_POLICIES:
         raise ValueError(f"save must be one of {SAVE_POLICIES}, got {save!r}")

@@ -1,7 +1,7 @@
 """The XLA FFI custom calls, registered once per platform, and their raw calls.
 
-Both platforms export the same targets, GEMM_TARGET, DACT_TARGET and
-DGRAD_DACT_TARGET (versioned names, ffi/regemm/module_util.h: what jax.export records). Each
+Both platforms export the same targets, described once in _targets (versioned names,
+attributes, results: what jax.export records). Each
 call is bound as the primitive `regemm_call`, whose lowering adds one result
 the program never sees: the handler's device workspace, sized per platform
 (0 bytes on the CPU; on the GPU the CUDA module says how much,
@@ -15,7 +15,6 @@ never a copy).
 from __future__ import annotations
 
 import math
-import os
 from functools import partial
 
 import jax
@@ -31,7 +30,8 @@ try:  # public in the JAX versions this targets; the private path is a fallback
 except ImportError:  # pragma: no cover
     from jax._src.core import ShapedArray
 
-from . import _onednn
+from . import _env, _onednn
+from ._targets import DACT, DGRAD_DACT, GEMM, TARGETS, gemm_shape
 
 _onednn.preload()  # the CPU extension links libdnnl.so.3 from the onednn-cpu-gomp wheel
 from . import _regemm_cpu  # noqa: E402
@@ -42,15 +42,12 @@ except ImportError:
     _regemm_cuda = None
 
 
-GEMM_TARGET = "regemm_gemm_v1"
-DACT_TARGET = "regemm_dact_v1"
-DGRAD_DACT_TARGET = "regemm_dgrad_dact_v1"
-TARGETS = (GEMM_TARGET, DACT_TARGET, DGRAD_DACT_TARGET)
+TARGET_NAMES = tuple(t.name for t in TARGETS)
 
 
 def _register():
-    if set(_regemm_cpu.registrations()) != set(TARGETS):  # the names are spelled in C++ and here
-        raise ImportError(f"jax_regemm: the extension exports {sorted(_regemm_cpu.registrations())}, not {TARGETS}")
+    if set(_regemm_cpu.registrations()) != set(TARGET_NAMES):  # the names are spelled in C++ and in _targets
+        raise ImportError(f"jax_regemm: the extension exports {sorted(_regemm_cpu.registrations())}, not {TARGET_NAMES}")
     for name, capsule in _regemm_cpu.registrations().items():
         jax.ffi.register_ffi_target(name, capsule, platform="cpu")
     if _regemm_cuda is not None:
@@ -65,6 +62,11 @@ def _register():
 
 
 _register()
+
+
+def cutlass_dtypes() -> list:
+    """The dtypes this build has CUTLASS sm90 kernels of (none without the CUDA module or the headers)."""
+    return list(_regemm_cuda.cutlass_dtypes()) if _regemm_cuda is not None else []
 
 
 def kernels() -> dict:
@@ -83,11 +85,13 @@ _call_p = Primitive("regemm_call")
 _call_p.multiple_results = True
 
 
-def _call(target, results, *args, in_place=False, **attrs):
-    """Binds `target` on args; results: ShapeDtypeStructs; attrs: the FFI attributes; in_place:
-    the caller allows the first result over an operand (_in_place says which, if any)."""
+def _call(target, results, *args, in_place=False, **params):
+    """Binds `target` (a _targets.Target) on args; results: ShapeDtypeStructs; params: its
+    attributes (typed here, as the target says); in_place: the caller allows the first result
+    over an operand (_in_place says which, if any)."""
     results = tuple((tuple(r.shape), np.dtype(r.dtype)) for r in results)
-    return _call_p.bind(*args, target=target, results=results, attrs=tuple(sorted(attrs.items())), in_place=in_place)
+    attrs = tuple(sorted(target.attributes(params).items()))
+    return _call_p.bind(*args, target=target.name, results=results, attrs=attrs, in_place=in_place)
 
 
 def _call_abstract(*avals, target, results, attrs, in_place):
@@ -127,16 +131,17 @@ def _workspace_bytes(platform, target, avals_in, attrs):
     if platform != "cuda" or _regemm_cuda is None or np.dtype(avals_in[0].dtype).name not in _WORKSPACE_DTYPES:
         return 0  # (an unsupported dtype: the handler says so, with the shapes)
     dtype = np.dtype(avals_in[0].dtype).name
-    if target == GEMM_TARGET:
+    if target == GEMM.name:
         a, b = avals_in[:2]
         ta, tb = attrs["trans_a"], attrs["trans_b"]
-        *batch, m, n = _gz_shape(a, b, None, ta, tb)
+        *batch, m, n = gemm_shape(a.shape, b.shape, ta, tb)
         k = a.shape[-2] if ta else a.shape[-1]
         size = lambda *dims: _regemm_cuda.gemm_call_workspace_bytes(dtype, *dims, ta, tb)
         return _sized(target, size, m, n, k, math.prod(batch), math.prod(b.shape[:-2]),
                       any_size=_regemm_cuda.gemm_workspace_bytes())  # fmt: skip
-    if target == DGRAD_DACT_TARGET:
-        *batch, m, n = _gz_shape(*avals_in[:3], attrs["trans_a"], attrs["trans_b"])  # (not the operand it follows)
+    if target == DGRAD_DACT.name:
+        a, b, s = avals_in[:3]  # (not the operand it follows)
+        *batch, m, n = gemm_shape(a.shape, b.shape, attrs["trans_a"], attrs["trans_b"], s.shape)
         size = lambda m, n, batch: _regemm_cuda.dgrad_dact_workspace_bytes(dtype, m, n, batch, attrs["bias_kind"])
         return _sized(target, size, m, n, math.prod(batch))
     gy, s = avals_in
@@ -150,14 +155,14 @@ def _workspace_bytes(platform, target, avals_in, attrs):
 def _in_place(platform, target, avals_in, attrs):
     """Which operand the call writes its first result over, for the lowering to alias:
     {operand: result}. regemm_dgrad_dact on CUDA writes gZ over S where a kernel runs it so (the
-    fused kernel, where the rule runs it: ffi/cuda/cutlass_registry.cu), saving one M x N buffer at
+    fused kernel, where the rule runs it: ffi/cuda/cutlass/cutlass_registry.cu), saving one M x N buffer at
     the backward's peak; asked only by a caller whose program reads S no more (else XLA copies S
-    for the call, or where S is a parameter of the program). REGEMM_IN_PLACE=0 turns it off
+    for the call, or where S is a parameter of the program). REGEMM_IN_PLACE=off turns it off
     (read at lowering)."""
-    if platform != "cuda" or target != DGRAD_DACT_TARGET or _regemm_cuda is None or os.environ.get("REGEMM_IN_PLACE") == "0":
+    if platform != "cuda" or target != DGRAD_DACT.name or _regemm_cuda is None or not _env.flag("REGEMM_IN_PLACE"):
         return {}
     a, b, s = avals_in[:3]
-    gz = _gz_shape(a, b, s, attrs["trans_a"], attrs["trans_b"])
+    gz = gemm_shape(a.shape, b.shape, attrs["trans_a"], attrs["trans_b"], s.shape)
     dtype = np.dtype(a.dtype).name
     if dtype not in _WORKSPACE_DTYPES or s.shape != gz or s.dtype != a.dtype or not _core.is_constant_shape(gz):
         return {}
@@ -175,7 +180,7 @@ def _in_place(platform, target, avals_in, attrs):
 def dgrad_dact_in_place(a, b, s, **attrs):
     """Whether dgrad_dact(a, b, s) lowered for CUDA, asked to, writes gZ over S (_in_place): where
     S has another reader the caller orders it first."""
-    return bool(_in_place("cuda", DGRAD_DACT_TARGET, [a, b, s], attrs))
+    return bool(_in_place("cuda", DGRAD_DACT.name, [a, b, s], attrs))
 
 
 def _call_lowering(platform):
@@ -196,74 +201,46 @@ mlir.register_lowering(_call_p, _call_lowering("cpu"), platform="cpu")
 mlir.register_lowering(_call_p, _call_lowering("cuda"), platform="cuda")
 
 
-def _batch_shape(*arrays_and_ranks):
-    return jnp.broadcast_shapes(*(x.shape[: x.ndim - r] for x, r in arrays_and_ranks if x is not None))
-
-
-def _gz_shape(a, b, s, trans_a, trans_b):
-    """dgrad_dact's gZ (a GEMM's output, S None): the batch of A, B and S, then op(A)'s rows and op(B)'s columns."""
-    m = a.shape[-1] if trans_a else a.shape[-2]
-    n = b.shape[-2] if trans_b else b.shape[-1]
-    return tuple(_batch_shape((a, 2), (b, 2), (s, 2))) + (m, n)
-
-
-def gemm(a, b, bias, c, *, act, slope, alpha, beta, trans_a, trans_b, bias_kind, store_z, exact_f32):
-    """(Y, Z or None) = the GEMM target. All operands have the same number of batch dims."""
-    nb = a.ndim - 2
-    m = a.shape[-1] if trans_a else a.shape[-2]
-    n = b.shape[-2] if trans_b else b.shape[-1]
-    batch = _batch_shape((a, 2), (b, 2), (bias, 1), (c, 2))
-    ones = (1,) * nb
+def gemm(a, b, bias, c, **params):
+    """(Y, Z or None) = the GEMM target. All operands have the same number of batch dims;
+    params: its attributes (act, slope, alpha, beta, trans_a, trans_b, bias_kind, store_z, exact_f32)."""
+    batch_from = [bias.shape[:-1] + (1, 1)] if bias is not None else []  # bias [..., L]
+    shape = gemm_shape(a.shape, b.shape, params["trans_a"], params["trans_b"], *batch_from,
+                       *([c.shape] if c is not None else []))  # fmt: skip
+    ones = (1,) * (a.ndim - 2)
+    params = dict(params)
     if bias is None:
         bias = jnp.zeros(ones + (0,), a.dtype)
-        bias_kind = "none"
+        params["bias_kind"] = "none"
     if c is None:
         c = jnp.zeros(ones + (0, 0), a.dtype)
-    y_t = jax.ShapeDtypeStruct(batch + (m, n), a.dtype)
-    z_t = jax.ShapeDtypeStruct(batch + ((m, n) if store_z else (0, 0)), a.dtype)
-    y, z = _call(
-        GEMM_TARGET,
-        (y_t, z_t),
-        a,
-        b,
-        bias,
-        c,
-        act=act,
-        slope=np.float64(slope),
-        alpha=np.float64(alpha),
-        beta=np.float64(beta),
-        trans_a=bool(trans_a),
-        trans_b=bool(trans_b),
-        bias_kind=bias_kind,
-        has_c=bool(c.size),
-        store_z=bool(store_z),
-        exact_f32=bool(exact_f32),
-    )
+    params["has_c"] = bool(c.size)
+    store_z = params["store_z"]
+    y_t = jax.ShapeDtypeStruct(shape, a.dtype)
+    z_t = jax.ShapeDtypeStruct(shape[:-2] + (shape[-2:] if store_z else (0, 0)), a.dtype)
+    y, z = _call(GEMM, (y_t, z_t), a, b, bias, c, **params)
     return y, (z if store_z else None)
 
 
-def dact(gy, s, *, act, slope, from_y, bias_kind, bias_len):
-    """(gZ, gBias or None) = the dact target."""
-    batch = _batch_shape((gy, 2), (s, 2))
+def dact(gy, s, *, bias_len, **params):
+    """(gZ, gBias or None) = the dact target; params: act, slope, from_y, bias_kind."""
+    batch = gemm_shape(gy.shape, s.shape, False, False)[:-2]
+    has_bias = params["bias_kind"] != "none"
     gz_t = jax.ShapeDtypeStruct(batch + gy.shape[-2:], gy.dtype)
-    gb_t = jax.ShapeDtypeStruct(batch + (bias_len if bias_kind != "none" else 0,), gy.dtype)
-    gz, gbias = _call(
-        DACT_TARGET, (gz_t, gb_t), gy, s, act=act, slope=np.float64(slope), from_y=bool(from_y), bias_kind=bias_kind
-    )
-    return gz, (gbias if bias_kind != "none" else None)
+    gb_t = jax.ShapeDtypeStruct(batch + (bias_len if has_bias else 0,), gy.dtype)
+    gz, gbias = _call(DACT, (gz_t, gb_t), gy, s, **params)
+    return gz, (gbias if has_bias else None)
 
 
-def dgrad_dact(a, b, s, after=None, *, act, slope, from_y, bias_kind, bias_len, alpha, trans_a, trans_b, exact_f32,
-               in_place=False):
-    """(gZ, gBias or None) = the dgrad_dact target: gZ = (alpha op(A) op(B)) * act'(S). in_place:
-    the program reads S no more after the call (gZ may be written over it, _in_place); after: a
-    value the call must follow, never read (the other reader of S, ordered first)."""
-    gz = _gz_shape(a, b, s, trans_a, trans_b)
+def dgrad_dact(a, b, s, after=None, *, bias_len, in_place=False, **params):
+    """(gZ, gBias or None) = the dgrad_dact target: gZ = (alpha op(A) op(B)) * act'(S); params: act, slope,
+    from_y, bias_kind, alpha, trans_a, trans_b, exact_f32. in_place: the program reads S no more after
+    the call (gZ may be written over it, _in_place); after: a value the call must follow, never read
+    (the other reader of S, ordered first)."""
+    gz = gemm_shape(a.shape, b.shape, params["trans_a"], params["trans_b"], s.shape)
+    has_bias = params["bias_kind"] != "none"
     gz_t = jax.ShapeDtypeStruct(gz, a.dtype)
-    gb_t = jax.ShapeDtypeStruct(gz[:-2] + (bias_len if bias_kind != "none" else 0,), a.dtype)
-    gz, gbias = _call(
-        DGRAD_DACT_TARGET, (gz_t, gb_t), a, b, s, *([] if after is None else [after]), act=act,
-        slope=np.float64(slope), from_y=bool(from_y), bias_kind=bias_kind, alpha=np.float64(alpha),
-        trans_a=bool(trans_a), trans_b=bool(trans_b), exact_f32=bool(exact_f32), in_place=bool(in_place),
-    )  # fmt: skip
-    return gz, (gbias if bias_kind != "none" else None)
+    gb_t = jax.ShapeDtypeStruct(gz[:-2] + (bias_len if has_bias else 0,), a.dtype)
+    operands = (a, b, s) + (() if after is None else (after,))
+    gz, gbias = _call(DGRAD_DACT, (gz_t, gb_t), *operands, in_place=bool(in_place), **params)
+    return gz, (gbias if has_bias else None)

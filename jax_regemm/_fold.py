@@ -30,8 +30,8 @@ are lowered from its value, a plain GEMM's result in a partitioned program passe
 identity op (rewirable) whose operand the fold makes the new op's result; XLA drops the old
 GEMM. rg.mlp's calls, which take their wgrad as `after`, do the same (_dgrad_dact_rule).
 
-The lowering rules that use these helpers are in _ops (_fused_rule, _dact_rule, _dgrad_dact_rule;
-is_argument also decides where _one_buffer puts no barrier)."""
+The lowering rules that use these helpers are _fused._fused_rule and _epilogues._dact_rule and
+_dgrad_dact_rule; is_argument also decides where _backward.one_buffer puts no barrier."""
 
 import dataclasses
 

@@ -32,7 +32,8 @@ import jax
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from . import _ffi, reference
+from . import _ffi, _programs, reference
+from ._targets import BIAS_FACTOR, BIAS_REDUCED, DACT, DGRAD_DACT, GEMM, factors, gemm_factors
 
 # ---------------------------------------------------------------------------
 # specs
@@ -98,37 +99,63 @@ def _sharding_rule_factors(shapes, nb, tails, out_tails):
     return ", ".join(ops) + " -> " + ", ".join(outs)
 
 
+class _Attrs(dict):
+    """The static attributes of a partitioned call: its FFI attributes (_targets), which optional
+    operands are present, the operands' shapes (the rule names their dims). A dict that hashes
+    (custom_partitioning's static argument)."""
+
+    def __hash__(self):
+        return hash(tuple(sorted((k, v) for k, v in self.items())))
+
+
+def _shardings(mesh, specs):
+    """NamedShardings of one spec, or of a tuple of specs."""
+    return tuple(NamedSharding(mesh, s) for s in specs) if isinstance(specs, tuple) else NamedSharding(mesh, specs)
+
+
+def _partitioned(local, plan, rule):
+    """custom_partitioning of local(attrs, *operands) (attrs: _Attrs), from plan(attrs, mesh, arg_infos) ->
+    (operand specs, result spec or specs, a device's lowering of the operands' shards) and the Shardy
+    rule(attrs) string: the partition and the inference callbacks both read the plan."""
+    cp = custom_partitioning(local, static_argnums=(0,))
+
+    def partition(attrs, mesh, arg_infos, result_infos):
+        arg_specs, out_specs, lower = plan(attrs, mesh, arg_infos)
+        return mesh, lower, _shardings(mesh, out_specs), tuple(NamedSharding(mesh, s) for s in arg_specs)
+
+    def infer(attrs, mesh, arg_infos, result_infos):
+        return _shardings(mesh, plan(attrs, mesh, arg_infos)[1])
+
+    cp.def_partition(partition=partition, infer_sharding_from_operands=infer,
+                     sharding_rule=lambda attrs, mesh, value_types, result_types: rule(attrs))  # fmt: skip
+    return cp
+
+
+def _target_rule(target):
+    """The Shardy rule of a call of `target`: its factors (_targets.factors) over the operands' batch dims."""
+
+    def rule(attrs):
+        shapes = attrs["shapes"]
+        tails, outs = factors(target, attrs)
+        return _sharding_rule_factors(shapes, len(shapes[0]) - 2, tails, outs)
+
+    return rule
+
+
 # ---------------------------------------------------------------------------
 # gemm
 # ---------------------------------------------------------------------------
-# Static description of one call: the FFI attributes, which optional operands
-# are present, and the operands' shapes (the rule names their dims).
-
-
-def _gemm_tails(attrs, shapes):
-    ta, tb = attrs["trans_a"], attrs["trans_b"]
-    tails = [("k", "m") if ta else ("m", "k"), ("n", "k") if tb else ("k", "n")]
-    if attrs["has_bias"]:
-        tails.append({"per_col": ("n",), "per_row": ("m",), "scalar": ("s",)}[attrs["bias_kind"]])
-    if attrs["has_c"]:
-        tails.append(("m", "n"))
-    return tails
 
 
 def _gemm_local(attrs, *args):
     a, b, *rest = args
     bias = rest.pop(0) if attrs["has_bias"] else None
     c = rest.pop(0) if attrs["has_c"] else None
-    y, z = _ffi.gemm(a, b, bias, c, **_gemm_ffi_attrs(attrs))
+    y, z = _ffi.gemm(a, b, bias, c, **attrs)
     return (y, z) if attrs["store_z"] else y
 
 
-def _gemm_ffi_attrs(attrs):
-    keys = ("act", "slope", "alpha", "beta", "trans_a", "trans_b", "bias_kind", "store_z", "exact_f32")
-    return {k: attrs[k] for k in keys}
-
-
-def _gemm_plan(attrs, mesh, arg_infos):
+def _gemm_specs(attrs, mesh, arg_infos):
     """(arg specs, output spec, K's mesh axes)."""
     shapes = [tuple(x.shape) for x in arg_infos]
     nb = len(shapes[0]) - 2
@@ -141,24 +168,16 @@ def _gemm_plan(attrs, mesh, arg_infos):
     batch = _batch_specs(shapes, specs, nb)
     *batch, m, n, k = _dedupe(batch + [m, n, k])
     named = {"m": m, "n": n, "k": k, "s": ()}
-    arg_specs = [_operand_spec(s, batch, [named[f] for f in t]) for s, t in zip(shapes, _gemm_tails(attrs, shapes))]
+    tails = gemm_factors(ta, tb, attrs["bias_kind"] if attrs["has_bias"] else "none", attrs["has_c"])
+    arg_specs = [_operand_spec(s, batch, [named[f] for f in t]) for s, t in zip(shapes, tails)]
     out_spec = P(*[_entry(x) for x in batch], _entry(m), _entry(n))
     return arg_specs, out_spec, k
 
 
-def _gemm_partition(attrs, mesh, arg_infos, result_infos):
-    arg_specs, out_spec, k = _gemm_plan(attrs, mesh, arg_infos)
-    n_out = 2 if attrs["store_z"] else 1
-    out_shardings = tuple([NamedSharding(mesh, out_spec)] * n_out)
-    arg_shardings = tuple(NamedSharding(mesh, s) for s in arg_specs)
+def _gemm_plan(attrs, mesh, arg_infos):
+    arg_specs, out_spec, k = _gemm_specs(attrs, mesh, arg_infos)
     lower = partial(_gemm_local, attrs) if not k else _no_context_mesh(partial(_gemm_k_sharded, attrs, k))
-    return mesh, lower, out_shardings if n_out == 2 else out_shardings[0], arg_shardings
-
-
-def _gemm_infer(attrs, mesh, arg_infos, result_infos):
-    _, out_spec, _ = _gemm_plan(attrs, mesh, arg_infos)
-    s = NamedSharding(mesh, out_spec)
-    return (s, s) if attrs["store_z"] else s
+    return arg_specs, (out_spec, out_spec) if attrs["store_z"] else out_spec, lower
 
 
 def _no_context_mesh(fn):
@@ -182,8 +201,8 @@ def _gemm_k_sharded(attrs, k_axes, *args):
     bias = rest.pop(0) if attrs["has_bias"] else None
     c = rest.pop(0) if attrs["has_c"] else None
     z = _k_summed_product(attrs, k_axes, a, b)
-    y, z = epilogue(z, bias, c, act=attrs["act"], slope=attrs["slope"], beta=attrs["beta"],
-                    bias_kind=attrs["bias_kind"], dtype=a.dtype)  # fmt: skip
+    y, z = _programs.epilogue(z, bias, c, act=attrs["act"], slope=attrs["slope"], beta=attrs["beta"],
+                              bias_kind=attrs["bias_kind"], dtype=a.dtype)  # fmt: skip
     return (y, z) if attrs["store_z"] else y
 
 
@@ -196,40 +215,7 @@ def _k_summed_product(attrs, k_axes, a, b):
     return jax.lax.psum(partial_product.astype(reference._acc_dtype(a.dtype)), k_axes)
 
 
-def epilogue(z, bias, c, *, act, slope, beta, bias_kind, dtype):
-    """(Y, Z) in `dtype` from alpha op(A) op(B) in the accumulation type, with the
-    canonical operands (bias [..., L] or None, C or None): the kernels' epilogue in
-    plain JAX, for the K-sharded partition and the op's reference (_ops)."""
-    if c is not None:
-        z = z + beta * c.astype(z.dtype)
-    if bias is not None:
-        z = z + bias_broadcast(bias.astype(z.dtype), bias_kind)
-    return reference.act_fwd(act, z, slope).astype(dtype), z.astype(dtype)
-
-
-def bias_broadcast(bias, kind):
-    """A canonical bias [..., L] as an array that broadcasts against [..., M, N]."""
-    return bias[..., None, :] if kind == "per_col" else bias[..., :, None]  # per_row; scalar: L = 1
-
-
-def _gemm_rule(attrs, mesh, value_types, result_types):
-    shapes = attrs["shapes"]
-    nb = len(shapes[0]) - 2
-    n_out = 2 if attrs["store_z"] else 1
-    return _sharding_rule_factors(shapes, nb, _gemm_tails(attrs, shapes), [("m", "n")] * n_out)
-
-
-_gemm_cp = custom_partitioning(lambda attrs, *args: _gemm_local(attrs, *args), static_argnums=(0,))
-_gemm_cp.def_partition(
-    partition=_gemm_partition, infer_sharding_from_operands=_gemm_infer, sharding_rule=_gemm_rule
-)
-
-
-class _Attrs(dict):
-    """The static attributes: a dict that hashes (custom_partitioning's static argument)."""
-
-    def __hash__(self):
-        return hash(tuple(sorted((k, v) for k, v in self.items())))
+_gemm_cp = _partitioned(lambda attrs, *args: _gemm_local(attrs, *args), _gemm_plan, _target_rule(GEMM))
 
 
 def gemm(a, b, bias, c, **attrs):
@@ -251,21 +237,12 @@ def _bias_len(kind, s):
 
 
 def _dact_local(attrs, gy, s):
-    kind = attrs["bias_kind"]
-    bias_len = _bias_len(kind, gy)
-    gz, gbias = _ffi.dact(gy, s, bias_len=bias_len, **_dact_ffi_attrs(attrs))
+    gz, gbias = _ffi.dact(gy, s, bias_len=_bias_len(attrs["bias_kind"], gy), **attrs)
     return (gz, gbias) if attrs["bias_kind"] != "none" else gz
 
 
-def _dact_ffi_attrs(attrs):
-    return {k: attrs[k] for k in ("act", "slope", "from_y", "bias_kind")}
-
-
-_BIAS_TAIL = {"per_col": ("n",), "per_row": ("m",), "scalar": ("s",)}
-_REDUCED = {"per_col": ("m",), "per_row": ("n",), "scalar": ("m", "n")}  # the dims the bias gradient sums over
-
-
-def _dact_plan(attrs, mesh, arg_infos):
+def _dact_specs(attrs, mesh, arg_infos):
+    """(arg specs, gZ spec, gBias spec or None, the mesh axes the bias gradient's local sums are summed over)."""
     shapes = [tuple(x.shape) for x in arg_infos]
     nb = len(shapes[0]) - 2
     specs = [_spec_of(x, len(s)) for x, s in zip(arg_infos, shapes)]
@@ -273,13 +250,19 @@ def _dact_plan(attrs, mesh, arg_infos):
     n = specs[0][-1] if all(sp[-1] == specs[0][-1] for sp in specs) else ()
     batch = _batch_specs(shapes, specs, nb)
     *batch, m, n = _dedupe(batch + [m, n])
-    named = {"m": m, "n": n, "s": ()}
     arg_specs = [_operand_spec(s, batch, [m, n]) for s in shapes]
     gz_spec = P(*[_entry(x) for x in batch], _entry(m), _entry(n))
-    kind = attrs["bias_kind"]
-    gb_spec = None if kind == "none" else P(*[_entry(x) for x in batch], _entry(named[_BIAS_TAIL[kind][0]]))
-    reduce_axes = () if kind == "none" else sum((named[d] for d in _REDUCED[kind]), ())
+    gb_spec, reduce_axes = _bias_grad_specs(attrs["bias_kind"], batch, m, n)
     return arg_specs, gz_spec, gb_spec, reduce_axes
+
+
+def _bias_grad_specs(kind, batch, m, n):
+    """(gBias spec or None, the mesh axes its local sums are summed over) for gZ sharded as batch, m, n."""
+    if kind == "none":
+        return None, ()
+    named = {"m": m, "n": n, "s": ()}
+    gb_spec = P(*[_entry(x) for x in batch], _entry(named[BIAS_FACTOR[kind][0]]))
+    return gb_spec, sum((named[d] for d in BIAS_REDUCED[kind]), ())
 
 
 def _device_sum(grad, axes):
@@ -304,30 +287,20 @@ def _summed_bias_grad(out, gb_spec, reduce_axes):
     return gz, _device_sum(gbias, reduce_axes)
 
 
-def _dact_partition(attrs, mesh, arg_infos, result_infos):
-    arg_specs, gz_spec, gb_spec, reduce_axes = _dact_plan(attrs, mesh, arg_infos)
+def _with_bias_grad(gz_spec, gb_spec):
+    return gz_spec if gb_spec is None else (gz_spec, gb_spec)
+
+
+def _dact_plan(attrs, mesh, arg_infos):
+    arg_specs, gz_spec, gb_spec, reduce_axes = _dact_specs(attrs, mesh, arg_infos)
 
     def lower(gy, s):
         return _summed_bias_grad(_dact_local(attrs, gy, s), gb_spec, reduce_axes)
 
-    outs = NamedSharding(mesh, gz_spec) if gb_spec is None else (NamedSharding(mesh, gz_spec), NamedSharding(mesh, gb_spec))
-    return mesh, _no_context_mesh(lower), outs, tuple(NamedSharding(mesh, s) for s in arg_specs)
+    return arg_specs, _with_bias_grad(gz_spec, gb_spec), _no_context_mesh(lower)
 
 
-def _dact_infer(attrs, mesh, arg_infos, result_infos):
-    _, gz_spec, gb_spec, _ = _dact_plan(attrs, mesh, arg_infos)
-    return NamedSharding(mesh, gz_spec) if gb_spec is None else (NamedSharding(mesh, gz_spec), NamedSharding(mesh, gb_spec))
-
-
-def _dact_rule(attrs, mesh, value_types, result_types):
-    shapes = attrs["shapes"]
-    nb = len(shapes[0]) - 2
-    outs = [("m", "n")] + ([_BIAS_TAIL[attrs["bias_kind"]]] if attrs["bias_kind"] != "none" else [])
-    return _sharding_rule_factors(shapes, nb, [("m", "n"), ("m", "n")], outs)
-
-
-_dact_cp = custom_partitioning(lambda attrs, gy, s: _dact_local(attrs, gy, s), static_argnums=(0,))
-_dact_cp.def_partition(partition=_dact_partition, infer_sharding_from_operands=_dact_infer, sharding_rule=_dact_rule)
+_dact_cp = _partitioned(lambda attrs, gy, s: _dact_local(attrs, gy, s), _dact_plan, _target_rule(DACT))
 
 
 def dact(gy, s, **attrs):
@@ -349,28 +322,21 @@ def _bias_grad_local(attrs, gz):
     return reference.bias_grad(gz, attrs["bias_kind"])
 
 
-def _bias_grad_partition(attrs, mesh, arg_infos, result_infos):
-    arg_specs, _, gb_spec, reduce_axes = _dact_plan(attrs, mesh, arg_infos)
+def _bias_grad_plan(attrs, mesh, arg_infos):
+    arg_specs, _, gb_spec, reduce_axes = _dact_specs(attrs, mesh, arg_infos)
 
     def lower(gz):
         return _device_sum(_bias_grad_local(attrs, gz), reduce_axes)
 
-    return mesh, _no_context_mesh(lower), NamedSharding(mesh, gb_spec), (NamedSharding(mesh, arg_specs[0]),)
+    return arg_specs[:1], gb_spec, _no_context_mesh(lower)
 
 
-def _bias_grad_infer(attrs, mesh, arg_infos, result_infos):
-    return NamedSharding(mesh, _dact_plan(attrs, mesh, arg_infos)[2])
-
-
-def _bias_grad_rule(attrs, mesh, value_types, result_types):
+def _bias_grad_rule(attrs):
     (shape,) = attrs["shapes"]
-    return _sharding_rule_factors([shape], len(shape) - 2, [("m", "n")], [_BIAS_TAIL[attrs["bias_kind"]]])
+    return _sharding_rule_factors([shape], len(shape) - 2, [("m", "n")], [BIAS_FACTOR[attrs["bias_kind"]]])
 
 
-_bias_grad_cp = custom_partitioning(_bias_grad_local, static_argnums=(0,))
-_bias_grad_cp.def_partition(
-    partition=_bias_grad_partition, infer_sharding_from_operands=_bias_grad_infer, sharding_rule=_bias_grad_rule
-)
+_bias_grad_cp = _partitioned(_bias_grad_local, _bias_grad_plan, _bias_grad_rule)
 
 
 def bias_grad(gz, kind):
@@ -387,29 +353,17 @@ def bias_grad(gz, kind):
 # their sum, then dact on the whole gY.
 
 
-def _dgrad_dact_ffi_attrs(attrs):
-    keys = ("act", "slope", "from_y", "bias_kind", "alpha", "trans_a", "trans_b", "exact_f32", "in_place")
-    return {k: attrs[k] for k in keys}
-
-
 def _dgrad_dact_local(attrs, a, b, s, after=None):
-    kind = attrs["bias_kind"]
-    bias_len = _bias_len(kind, s)
-    gz, gbias = _ffi.dgrad_dact(a, b, s, after, bias_len=bias_len, **_dgrad_dact_ffi_attrs(attrs))
-    return (gz, gbias) if kind != "none" else gz
+    gz, gbias = _ffi.dgrad_dact(a, b, s, after, bias_len=_bias_len(attrs["bias_kind"], s), **attrs)
+    return (gz, gbias) if attrs["bias_kind"] != "none" else gz
 
 
-def _dgrad_dact_plan(attrs, mesh, arg_infos):
+def _dgrad_dact_specs(attrs, mesh, arg_infos):
     """(arg specs, gZ spec, gBias spec or None, K's mesh axes, the bias gradient's reduced mesh axes)."""
-    gemm_attrs = dict(attrs, has_bias=False, has_c=True)
-    arg_specs, gz_spec, k = _gemm_plan(gemm_attrs, mesh, arg_infos)
+    arg_specs, gz_spec, k = _gemm_specs(dict(attrs, has_bias=False, has_c=True), mesh, arg_infos)
     *batch, m, n = [_axes(e) for e in gz_spec]
-    kind = attrs["bias_kind"]
-    if kind == "none":
-        return arg_specs, gz_spec, None, k, ()
-    named = {"m": m, "n": n, "s": ()}
-    gb_spec = P(*[_entry(x) for x in batch], _entry(named[_BIAS_TAIL[kind][0]]))
-    return arg_specs, gz_spec, gb_spec, k, sum((named[d] for d in _REDUCED[kind]), ())
+    gb_spec, reduce_axes = _bias_grad_specs(attrs["bias_kind"], batch, m, n)
+    return arg_specs, gz_spec, gb_spec, k, reduce_axes
 
 
 def _dgrad_dact_sharded(attrs, k, gb_spec, reduce_axes, a, b, s, after=None):
@@ -417,48 +371,30 @@ def _dgrad_dact_sharded(attrs, k, gb_spec, reduce_axes, a, b, s, after=None):
     gY first (act' multiplies it), then dact; the bias gradient summed over the devices."""
     if k:
         gy = _k_summed_product(attrs, k, a, b).astype(a.dtype)
-        out = _dact_local(_Attrs(_dact_ffi_attrs(attrs)), gy, s)
+        out = _dact_local(attrs, gy, s)
     else:
         out = _dgrad_dact_local(attrs, a, b, s, after)
     return _summed_bias_grad(out, gb_spec, reduce_axes)
 
 
-def _dgrad_dact_partition(attrs, mesh, arg_infos, result_infos):
-    arg_specs, gz_spec, gb_spec, k, reduce_axes = _dgrad_dact_plan(attrs, mesh, arg_infos)
+def _dgrad_dact_plan(attrs, mesh, arg_infos):
+    arg_specs, gz_spec, gb_spec, k, reduce_axes = _dgrad_dact_specs(attrs, mesh, arg_infos)
 
     def lower(a, b, s):
         return _dgrad_dact_sharded(attrs, k, gb_spec, reduce_axes, a, b, s)
 
-    gz_s = NamedSharding(mesh, gz_spec)
-    outs = gz_s if gb_spec is None else (gz_s, NamedSharding(mesh, gb_spec))
-    return mesh, _no_context_mesh(lower), outs, tuple(NamedSharding(mesh, s) for s in arg_specs)
+    return arg_specs, _with_bias_grad(gz_spec, gb_spec), _no_context_mesh(lower)
 
 
-def _dgrad_dact_infer(attrs, mesh, arg_infos, result_infos):
-    _, gz_spec, gb_spec, _, _ = _dgrad_dact_plan(attrs, mesh, arg_infos)
-    return NamedSharding(mesh, gz_spec) if gb_spec is None else (NamedSharding(mesh, gz_spec), NamedSharding(mesh, gb_spec))
-
-
-def _dgrad_dact_rule(attrs, mesh, value_types, result_types):
-    shapes = attrs["shapes"]
-    nb = len(shapes[0]) - 2
-    kind = attrs["bias_kind"]
-    outs = [("m", "n")] + ([_BIAS_TAIL[kind]] if kind != "none" else [])
-    tails = _gemm_tails(dict(attrs, has_bias=False, has_c=True), shapes)
-    return _sharding_rule_factors(shapes, nb, tails, outs)
-
-
-_dgrad_dact_cp = custom_partitioning(lambda attrs, a, b, s: _dgrad_dact_local(attrs, a, b, s), static_argnums=(0,))
-_dgrad_dact_cp.def_partition(
-    partition=_dgrad_dact_partition, infer_sharding_from_operands=_dgrad_dact_infer, sharding_rule=_dgrad_dact_rule
-)
+_dgrad_dact_cp = _partitioned(lambda attrs, a, b, s: _dgrad_dact_local(attrs, a, b, s), _dgrad_dact_plan,
+                              _target_rule(DGRAD_DACT))  # fmt: skip
 
 
 def dgrad_dact(a, b, s, after=None, **attrs):
     """_ffi.dgrad_dact, partitioned over the mesh: (gZ, gBias or None). `after` (a value the call
     follows, _ffi.dgrad_dact) only in programs of one device, which are not partitioned."""
     if after is not None:
-        return _ffi.dgrad_dact(a, b, s, after, bias_len=_bias_len(attrs["bias_kind"], s), **_dgrad_dact_ffi_attrs(attrs))
+        return _ffi.dgrad_dact(a, b, s, after, bias_len=_bias_len(attrs["bias_kind"], s), **attrs)
     attrs = _Attrs(attrs, shapes=(tuple(a.shape), tuple(b.shape), tuple(s.shape)))
     out = _dgrad_dact_cp(attrs, a, b, s)
     return tuple(out) if attrs["bias_kind"] != "none" else (out, None)
@@ -475,6 +411,8 @@ def dgrad_dact(a, b, s, after=None, **attrs):
 # plain jnp's wgrad, in its dtype) and the bias gradient as dgrad_dact does. Without
 # it, XLA's scheduler may run every layer's dgrad_dact before any wgrad, keeping every
 # layer's Y and gZ at once (results/h100_train_memory_peaks_3edea1e.md). 2-D operands.
+# The wgrad is the caller's function (attrs["wgrad"]: the lowering the program gives a
+# plain GEMM on its platform), so this module imports no primitive.
 
 
 def _wgrad_dims(attrs):
@@ -492,26 +430,9 @@ def _wgrad_tails(attrs):
     return tails
 
 
-def _layer_backward_plan(attrs, mesh, arg_infos):
-    """(arg specs, gZ spec, gBias spec or None, dW spec, K's mesh axes, the bias gradient's reduced axes, the rows' axes)."""
-    dd_specs, gz_spec, gb_spec, k, reduce_axes = _dgrad_dact_plan(attrs, mesh, arg_infos[:3])
-    rows = _axes(gz_spec[-2])
-    (ra, oa), (rb, ob) = _wgrad_dims(attrs)
-    other_a, other_b = _spec_of(arg_infos[3], 2)[oa], _spec_of(arg_infos[4], 2)[ob]
-    _, other_a, other_b = _dedupe([rows, other_a, other_b])
-    specs = []
-    for r, o, other in ((ra, oa, other_a), (rb, ob, other_b)):
-        entries = [None, None]
-        entries[r], entries[o] = _entry(rows), _entry(other)
-        specs.append(P(*entries))
-    return dd_specs + specs, gz_spec, gb_spec, P(_entry(other_a), _entry(other_b)), k, reduce_axes, rows
-
-
 def _wgrad_local(attrs, wa, wb):
-    from . import _ops  # (the lowering the program gives a plain GEMM on this platform)
-
-    return _ops.matmul(wa, wb, trans_x=attrs["w_trans_a"], trans_y=attrs["w_trans_b"], alpha=attrs["w_alpha"],
-                       exact_f32=attrs["w_exact_f32"])  # fmt: skip
+    return attrs["wgrad"](wa, wb, trans_x=attrs["w_trans_a"], trans_y=attrs["w_trans_b"], alpha=attrs["w_alpha"],
+                          exact_f32=attrs["w_exact_f32"])  # fmt: skip
 
 
 def _layer_backward_sharded(attrs, k, gb_spec, reduce_axes, rows, a, b, s, wa, wb):
@@ -522,46 +443,39 @@ def _layer_backward_sharded(attrs, k, gb_spec, reduce_axes, rows, a, b, s, wa, w
     return (*(out if isinstance(out, tuple) else (out,)), _device_sum(dw, rows))
 
 
-def _layer_backward_partition(attrs, mesh, arg_infos, result_infos):
-    arg_specs, gz_spec, gb_spec, dw_spec, k, reduce_axes, rows = _layer_backward_plan(attrs, mesh, arg_infos)
+def _layer_backward_plan(attrs, mesh, arg_infos):
+    dd_specs, gz_spec, gb_spec, k, reduce_axes = _dgrad_dact_specs(attrs, mesh, arg_infos[:3])
+    rows = _axes(gz_spec[-2])
+    (ra, oa), (rb, ob) = _wgrad_dims(attrs)
+    other_a, other_b = _spec_of(arg_infos[3], 2)[oa], _spec_of(arg_infos[4], 2)[ob]
+    _, other_a, other_b = _dedupe([rows, other_a, other_b])
+    specs = []
+    for r, o, other in ((ra, oa, other_a), (rb, ob, other_b)):
+        entries = [None, None]
+        entries[r], entries[o] = _entry(rows), _entry(other)
+        specs.append(P(*entries))
+    dw_spec = P(_entry(other_a), _entry(other_b))
+    outs = (gz_spec, *([] if gb_spec is None else [gb_spec]), dw_spec)
     lower = partial(_layer_backward_sharded, attrs, k, gb_spec, reduce_axes, rows)
-
-    outs = _layer_backward_out_shardings(mesh, gz_spec, gb_spec, dw_spec)
-    return mesh, _no_context_mesh(lower), outs, tuple(NamedSharding(mesh, s) for s in arg_specs)
+    return dd_specs + specs, outs, _no_context_mesh(lower)
 
 
-def _layer_backward_out_shardings(mesh, gz_spec, gb_spec, dw_spec):
-    return tuple(NamedSharding(mesh, s) for s in [gz_spec, *([] if gb_spec is None else [gb_spec]), dw_spec])
-
-
-def _layer_backward_infer(attrs, mesh, arg_infos, result_infos):
-    _, gz_spec, gb_spec, dw_spec, *_ = _layer_backward_plan(attrs, mesh, arg_infos)
-    return _layer_backward_out_shardings(mesh, gz_spec, gb_spec, dw_spec)
-
-
-def _layer_backward_rule(attrs, mesh, value_types, result_types):
+def _layer_backward_rule(attrs):
     """dgrad_dact's factors (A, B, S), then the wgrad's (_wgrad_tails); results gZ, gBias, dW."""
-    shapes = attrs["shapes"]
-    kind = attrs["bias_kind"]
-    tails = _gemm_tails(dict(attrs, has_bias=False, has_c=True), shapes[:3]) + _wgrad_tails(attrs)
-    outs = [("m", "n")] + ([_BIAS_TAIL[kind]] if kind != "none" else []) + [("p", "q")]
-    return _sharding_rule_factors(shapes, 0, tails, outs)
+    dd_tails, dd_outs = factors(DGRAD_DACT, attrs)
+    return _sharding_rule_factors(attrs["shapes"], 0, dd_tails + _wgrad_tails(attrs), dd_outs + [("p", "q")])
 
 
-_layer_backward_cp = custom_partitioning(
-    lambda attrs, *args: _layer_backward_sharded(attrs, (), None, (), (), *args), static_argnums=(0,)
-)
-_layer_backward_cp.def_partition(
-    partition=_layer_backward_partition, infer_sharding_from_operands=_layer_backward_infer,
-    sharding_rule=_layer_backward_rule,
-)  # fmt: skip
+_layer_backward_cp = _partitioned(lambda attrs, *args: _layer_backward_sharded(attrs, (), None, (), (), *args),
+                                  _layer_backward_plan, _layer_backward_rule)  # fmt: skip
 
 
-def layer_backward(a, b, s, wa, wb, *, w_alpha, w_trans_a, w_trans_b, w_exact_f32, **attrs):
-    """(gZ, gBias or None, dW): dW = w_alpha op(WA) op(WB), then _ffi.dgrad_dact(a, b, s) following it
-    (writing gZ over S where attrs["in_place"]), partitioned over the mesh as one op. 2-D operands."""
+def layer_backward(a, b, s, wa, wb, *, wgrad, w_alpha, w_trans_a, w_trans_b, w_exact_f32, **attrs):
+    """(gZ, gBias or None, dW): dW = wgrad(WA, WB) = w_alpha op(WA) op(WB), then _ffi.dgrad_dact(a, b, s)
+    following it (writing gZ over S where attrs["in_place"]), partitioned over the mesh as one op.
+    2-D operands."""
     args = (a, b, s, wa, wb)
-    attrs = _Attrs(attrs, w_alpha=float(w_alpha), w_trans_a=bool(w_trans_a), w_trans_b=bool(w_trans_b),
+    attrs = _Attrs(attrs, wgrad=wgrad, w_alpha=float(w_alpha), w_trans_a=bool(w_trans_a), w_trans_b=bool(w_trans_b),
                    w_exact_f32=bool(w_exact_f32), shapes=tuple(tuple(x.shape) for x in args))  # fmt: skip
     out = tuple(_layer_backward_cp(attrs, *args))
     return out if attrs["bias_kind"] != "none" else (out[0], None, out[1])

@@ -1,12 +1,16 @@
-"""The public ops (SPEC §6)."""
+"""The public ops (docs/spec.md §6)."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
-from . import _ffi, _ops
-from ._args import _array, prepare
+import math
+from collections.abc import Sequence
+
+from . import _backward, _ffi, _fused, _mlp_block
+from ._args import _array, check_act, prepare
+from ._targets import gemm_shape
 
 
 def gemm_bias_act(
@@ -36,7 +40,7 @@ def gemm_bias_act(
         a, b, bias, c, act=act, leaky_slope=leaky_slope, alpha=alpha, beta=beta, trans_a=trans_a,
         trans_b=trans_b, bias_kind=bias_kind, save=save, precision=precision, return_z=False,
     )  # fmt: skip
-    return _ops.fused(cfg, a, b, bias, c)
+    return _fused.fused(cfg, a, b, bias, c)
 
 
 def gemm_bias_act_fwd(
@@ -60,7 +64,7 @@ def gemm_bias_act_fwd(
         a, b, bias, c, act=act, leaky_slope=leaky_slope, alpha=alpha, beta=beta, trans_a=trans_a,
         trans_b=trans_b, bias_kind=bias_kind, save="z", precision=precision, return_z=return_z,
     )  # fmt: skip
-    return _ops.fused(cfg, a, b, bias, c)
+    return _fused.fused(cfg, a, b, bias, c)
 
 
 def gemm_bias_act_bwd(
@@ -91,16 +95,14 @@ def gemm_bias_act_bwd(
     )  # fmt: skip
     shapes = (a.shape, b.shape, None if bias is None else bias.shape, None if c is None else c.shape)
     # gY and Z must be the forward's output: checked here, at trace time, not by the handler.
-    m = a2.shape[-1] if cfg.trans_a else a2.shape[-2]
-    n = b2.shape[-2] if cfg.trans_b else b2.shape[-1]
-    out = jnp.broadcast_shapes(a2.shape[:-2], b2.shape[:-2], *([c2.shape[:-2]] if c2 is not None else [])) + (m, n)
+    out = gemm_shape(a2.shape, b2.shape, cfg.trans_a, cfg.trans_b, *([c2.shape] if c2 is not None else []))
     for name, x in (("gy", gy), ("z", z)):
         x = _array(name, x)
         if x.dtype != a2.dtype:
             raise TypeError(f"{name} has dtype {x.dtype} but a has {a2.dtype}: mixed dtypes are not supported")
         if tuple(x.shape) != out:
             raise ValueError(f"{name} must have the output's shape {out}, got {tuple(x.shape)}")
-    grads = _ops.backward(cfg, a2, b2, gy, z, from_y=False)
+    grads = _backward.backward(cfg, a2, b2, gy, z, from_y=False)
     return tuple(None if g is None else jnp.reshape(g, s) for g, s in zip(grads, shapes))
 
 
@@ -118,22 +120,33 @@ def dense(
 
     The leading dims of x fold into the GEMM's M (a reshape, no copy).
     """
-    x, w = _array("x", x), _array("w", w)
+    return dense_layer(x, w, b, act=act, leaky_slope=leaky_slope, save=save, precision=precision)
+
+
+def dense_layer(x, w, b=None, *, act="none", leaky_slope=0.01, save="auto", precision=None, w_transposed=False,
+                names=("x", "w", "b")):  # fmt: skip
+    """`dense`, with w stored [N, K] where w_transposed (Equinox's layout, read transposed in place), and
+    the names the caller gives x, w and b, for the errors."""
+    nx, nw, nb = names
+    layout = "[N, K]" if w_transposed else "[K, N]"
+    x, w = _array(nx, x), _array(nw, w)
+    b = None if b is None else _array(nb, b)
     if x.ndim < 1:
-        raise ValueError(f"x must have rank >= 1 ([..., K]), got shape {x.shape}")
+        raise ValueError(f"{nx} must have rank >= 1 ([..., K]), got shape {x.shape}")
     if w.ndim != 2:
-        raise ValueError(f"w must have rank 2 ([K, N]), got shape {w.shape}")
-    if b is not None and _array("b", b).ndim != 1:
-        raise ValueError(f"b must have rank 1 ([N]), got shape {b.shape}")
-    lead = x.shape[:-1]
-    x2 = jnp.reshape(x, (-1, x.shape[-1]))
+        raise ValueError(f"{nw} must have rank 2 ({layout}), got shape {w.shape}")
+    if b is not None and b.ndim != 1:
+        raise ValueError(f"{nb} must have rank 1 ([N]), got shape {b.shape}")
+    k = w.shape[1] if w_transposed else w.shape[0]
+    if x.shape[-1] != k:
+        raise ValueError(f"{nx} {x.shape} has K={x.shape[-1]} but {nw} {w.shape} has K={k}: {nw} must be {layout}")
     cfg, a, w2, bias, _ = prepare(
-        x2, w, b, None, act=act, leaky_slope=leaky_slope, alpha=1.0, beta=0.0, trans_a=False, trans_b=False,
-        bias_kind=None if b is None else "per_col", save=save, precision=precision, return_z=False,
-        names=("x", "w", "b", "c"),
+        _rows(x), w, b, None, act=act, leaky_slope=leaky_slope, alpha=1.0, beta=0.0, trans_a=False,
+        trans_b=w_transposed, bias_kind=None if b is None else "per_col", save=save, precision=precision,
+        return_z=False, names=(nx, nw, nb, "c"),
     )  # fmt: skip
-    y = _ops.fused(cfg, a, w2, bias, None)
-    return jnp.reshape(y, lead + (y.shape[-1],))
+    y = _fused.fused(cfg, a, w2, bias, None)
+    return jnp.reshape(y, x.shape[:-1] + (y.shape[-1],))
 
 
 def mlp(
@@ -155,18 +168,36 @@ def mlp(
     `dense`). The backward runs over the whole stack: each layer's dgrad GEMM and the
     backward epilogue of the layer below it (act' and the bias gradient) are one call.
     """
-    weights = list(weights)
+    weights = _sequence("weights", weights)
+    check_act("act", act)
+    check_act("final_act", final_act)
     acts = [act] * (len(weights) - 1) + [final_act]
-    return mlp_block(x, weights, biases, acts=acts, leaky_slope=leaky_slope, save=save, precision=precision)
+    names = ["act"] * (len(weights) - 1) + ["final_act"]
+    return mlp_block(x, weights, biases, acts=acts, leaky_slope=leaky_slope, save=save, precision=precision,
+                     act_names=names)  # fmt: skip
 
 
-def mlp_block(x, weights, biases, *, acts, leaky_slope=0.01, save="auto", precision=None, weights_transposed=False):
+def _sequence(name, xs):
+    if not isinstance(xs, Sequence) or isinstance(xs, str):
+        raise TypeError(f"{name} must be a list or tuple, got {type(xs).__name__}")
+    return list(xs)
+
+
+def _rows(x):
+    """x [..., K] as [rows, K] (a reshape; the rows spelled out, as -1 is undefined where K == 0)."""
+    return jnp.reshape(x, (math.prod(x.shape[:-1]), x.shape[-1]))
+
+
+def mlp_block(x, weights, biases, *, acts, leaky_slope=0.01, save="auto", precision=None, weights_transposed=False,
+              act_names=None):  # fmt: skip
     """`mlp` with an activation per layer (acts), and weights stored [N, K] when
-    weights_transposed (Equinox's layout: read transposed in place, never copied)."""
-    weights = list(weights)
+    weights_transposed (Equinox's layout: read transposed in place, never copied). act_names:
+    what the caller calls each layer's activation, for the errors."""
+    weights = _sequence("weights", weights)
     if not weights:
         raise ValueError("weights must hold at least one [K, N] matrix, got none")
-    biases = [None] * len(weights) if biases is None else list(biases)
+    biases = [None] * len(weights) if biases is None else _sequence("biases", biases)
+    act_names = act_names or ["act"] * len(weights)
     if len(biases) != len(weights):
         raise ValueError(f"biases must have one entry (an [N] vector or None) per weight: got {len(biases)} for {len(weights)} weights")
     h = _array("x", x)
@@ -175,6 +206,7 @@ def mlp_block(x, weights, biases, *, acts, leaky_slope=0.01, save="auto", precis
     layout = "[N, K]" if weights_transposed else "[K, N]"
     cfgs, ws, bs = [], [], []
     for i, (w, b) in enumerate(zip(weights, biases)):
+        check_act(act_names[i], acts[i])
         w = _array(f"weights[{i}]", w)
         if w.dtype != h.dtype:
             raise TypeError(f"weights[{i}] has dtype {w.dtype} but x has {h.dtype}: mixed dtypes are not supported")
@@ -195,17 +227,18 @@ def mlp_block(x, weights, biases, *, acts, leaky_slope=0.01, save="auto", precis
             jnp.zeros((0, k), h.dtype), w, b, None, act=acts[i], leaky_slope=leaky_slope, alpha=1.0, beta=0.0,
             trans_a=False, trans_b=weights_transposed, bias_kind=None if b is None else "per_col", save=save,
             precision=precision, return_z=False, names=("x", f"weights[{i}]", f"biases[{i}]", "c"),
+            act_name=act_names[i],
         )  # fmt: skip
         cfgs.append(cfg)
         ws.append(w2)
         bs.append(b2)
         h = jax.ShapeDtypeStruct(h.shape[:-1] + (n,), h.dtype)
-    x = jnp.reshape(x, (-1, x.shape[-1]))
-    y = _ops.mlp(_ops.MlpSpec(tuple(cfgs)), x, tuple(ws), tuple(bs))
+    x = _rows(_array("x", x))
+    y = _mlp_block.mlp(_mlp_block.MlpSpec(tuple(cfgs)), x, tuple(ws), tuple(bs))
     return jnp.reshape(y, h.shape)
 
 
 def disabled_export_checks():
     """The `disabled_checks` that `jax.export.export` needs for a function using jax_regemm:
     one per custom-call target (versioned names; README, "Export")."""
-    return [jax.export.DisabledSafetyCheck.custom_call(t) for t in _ffi.TARGETS]
+    return [jax.export.DisabledSafetyCheck.custom_call(t) for t in _ffi.TARGET_NAMES]

@@ -21,7 +21,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from .api import gemm_bias_act, mlp_block
+from .api import dense_layer, mlp_block
 
 
 class Linear(eqx.nn.Linear):
@@ -52,16 +52,14 @@ class Linear(eqx.nn.Linear):
             if jnp.shape(x) != ():
                 raise ValueError(f"x must have scalar shape, got {jnp.shape(x)}")
             x = jnp.reshape(x, (1,))
+        elif jnp.ndim(x) < 1:
+            raise ValueError(f"x must have shape [..., {self.in_features}] (in_features), got shape {jnp.shape(x)}")
         dtype = jnp.result_type(x, self.weight)  # what `weight @ x` would promote to
-        w = self.weight.astype(dtype)
-        bias = None if self.bias is None else self.bias.astype(dtype)
-        lead = jnp.shape(x)[:-1]
-        y = gemm_bias_act(
-            jnp.reshape(x.astype(dtype), (-1, x.shape[-1])), w, bias, act=self.activation,
-            leaky_slope=self.leaky_slope, trans_b=True, bias_kind=None if bias is None else "per_col",
-            save=self.save,
+        y = dense_layer(
+            jnp.asarray(x).astype(dtype), self.weight.astype(dtype), None if self.bias is None else self.bias.astype(dtype),
+            act=self.activation, leaky_slope=self.leaky_slope, save=self.save, w_transposed=True,
+            names=("x", "weight", "bias"),
         )  # fmt: skip
-        y = jnp.reshape(y, lead + (w.shape[0],))
         return jnp.squeeze(y, -1) if self.out_features == "scalar" else y
 
 
@@ -106,5 +104,6 @@ class MLP(eqx.Module):
         biases = [None if layer.bias is None else layer.bias.astype(dtype) for layer in self.layers]
         return mlp_block(
             x.astype(dtype), weights, biases, acts=[layer.activation for layer in self.layers],
+            act_names=["activation"] * (len(self.layers) - 1) + ["final_activation"],
             leaky_slope=first.leaky_slope, save=first.save, weights_transposed=True,
         )  # fmt: skip

@@ -90,4 +90,5 @@ class MLP(nn.Module):
         kernels, present = rest[: len(kernels)], iter(rest[len(kernels) :])
         biases = [None if b is None else next(present) for b in biases]
         acts = [self.activation] * (len(self.features) - 1) + [self.final_activation]
-        return mlp_block(x, kernels, biases, acts=acts, save=self.save, precision=self.precision)
+        names = ["activation"] * (len(self.features) - 1) + ["final_activation"]
+        return mlp_block(x, kernels, biases, acts=acts, save=self.save, precision=self.precision, act_names=names)

@@ -83,5 +83,6 @@ class MLP(nnx.Module):
         biases = [None if b is None else next(present) for b in biases]
         return mlp_block(
             x, kernels, biases, acts=[layer.activation for layer in self.layers], leaky_slope=first.leaky_slope,
+            act_names=["activation"] * (len(self.layers) - 1) + ["final_activation"],
             save=first.save, precision=first.precision,
         )  # fmt: skip

@@ -1,6 +1,6 @@
 """Pure-JAX reference of every jax_regemm op, for tests and for users.
 
-Written straight from SPEC §1-§3 with plain `jnp` operations, sharing no code
+Written straight from docs/spec.md §1-§3 with plain `jnp` operations, sharing no code
 with the kernels, so that comparing the two means something. Accumulates in
 f32 (f64 for f64 inputs) like the kernels do.
 """
@@ -13,15 +13,15 @@ from jax import lax
 
 ACTIVATIONS = ("none", "relu", "leaky_relu", "gelu", "gelu_erf", "sigmoid", "tanh", "silu")
 BIAS_KINDS = ("none", "scalar", "per_row", "per_col")
-# act' can be written in terms of y = act(z) for these (SPEC §4, save="y").
+# act' can be written in terms of y = act(z) for these (docs/spec.md §4, save="y").
 GRAD_FROM_Y = ("none", "relu", "leaky_relu", "sigmoid", "tanh")
 
 
 def act_fwd(name: str, z, slope=0.01):
-    """act(z) of SPEC §3."""
+    """act(z) of docs/spec.md §3."""
     if name == "none":
         return z
-    if name == "relu":  # jax.nn.relu: its derivative at 0 is 0, as in SPEC §3 (jnp.maximum's is 1/2)
+    if name == "relu":  # jax.nn.relu: its derivative at 0 is 0, as in docs/spec.md §3 (jnp.maximum's is 1/2)
         return jax.nn.relu(z)
     if name == "leaky_relu":
         return jnp.where(z > 0, z, slope * z)
@@ -44,7 +44,7 @@ def act_fwd(name: str, z, slope=0.01):
 
 
 def act_grad(name: str, z, slope=0.01):
-    """act'(z) of SPEC §3, in closed form; NaN in gives NaN out."""
+    """act'(z) of docs/spec.md §3, in closed form; NaN in gives NaN out."""
     return jnp.where(jnp.isnan(z), z, _act_grad(name, z, slope))
 
 
@@ -186,8 +186,10 @@ def gemm_bias_act(
     acc = _acc_dtype(a.dtype)
     opa = jnp.swapaxes(a, -1, -2) if trans_a else a
     opb = jnp.swapaxes(b, -1, -2) if trans_b else b
-    z = alpha * jnp.matmul(opa, opb, precision=precision, preferred_element_type=acc)
-    if c is not None:
+    z = jnp.matmul(opa, opb, precision=precision, preferred_element_type=acc)
+    # alpha = 0 reads no product and beta = 0 no C, as BLAS (docs/spec.md §2): a NaN there stays out.
+    z = alpha * z if alpha != 0 else jnp.zeros_like(z)
+    if c is not None and beta != 0:
         z = z + beta * c.astype(acc)
     if bias is not None:
         z = z + bias_broadcast(bias.astype(acc), bias_kind)

@@ -1,10 +1,10 @@
-"""Shared helpers for the core test suite (SPEC §1-§5, §7).
+"""Shared helpers for the core test suite (docs/spec.md §1-§5, §7).
 
 - An independent float64 NumPy reference of the fused op and of every
-  activation and its derivative, written from SPEC §1-§3 with NumPy and the
+  activation and its derivative, written from docs/spec.md §1-§3 with NumPy and the
   standard library only (it imports nothing from jax_regemm, so that comparing
   the package -- kernels *and* jax_regemm.reference -- against it means something).
-- The relative Frobenius error and the SPEC §5 tolerances by dtype (f32 on a
+- The relative Frobenius error and the docs/spec.md §5 tolerances by dtype (f32 on a
   GPU at default precision counts as TF32).
 - `rand`: a random input factory, seeded per test from its node id (every
   test draws different numbers, reproducibly; set REGEMM_TEST_SEED to vary
@@ -28,7 +28,7 @@ import pytest
 from jax import lax
 
 ACTS = ("none", "relu", "leaky_relu", "gelu", "gelu_erf", "sigmoid", "tanh", "silu")
-Y_ACTS = ("none", "relu", "leaky_relu", "sigmoid", "tanh")  # act' derivable from Y (SPEC §4)
+Y_ACTS = ("none", "relu", "leaky_relu", "sigmoid", "tanh")  # act' derivable from Y (docs/spec.md §4)
 BIAS_KINDS = ("none", "scalar", "per_row", "per_col")
 DTYPES = {"f32": jnp.float32, "f64": jnp.float64, "bf16": jnp.bfloat16, "f16": jnp.float16}
 TRANS = [(False, False), (True, False), (False, True), (True, True)]
@@ -40,7 +40,7 @@ def on_cpu() -> bool:
 
 # The suite's odd sizes (3, 5, 7, 33, ...) run on regemm's kernels on the GPU too: by
 # default an op whose rows are not whole 16-byte vectors lowers to XLA's own program
-# there (jax_regemm._ops._ON_XLA, "unaligned"), which would leave the kernels' odd-size
+# there (jax_regemm._route.ON_XLA, "unaligned"), which would leave the kernels' odd-size
 # paths untested. test_grads' cross-lowering tests and test_gpu's check the default.
 os.environ.setdefault("REGEMM_UNALIGNED", "regemm")
 # Likewise its small sizes: by default an op with at most 512 rows of output or 2^21 elements
@@ -52,7 +52,7 @@ os.environ.setdefault("REGEMM_SMALL", "regemm")
 os.environ.setdefault("REGEMM_XLA_EPILOGUE", "regemm")
 
 # A plain GEMM (alpha op(A) op(B): the backward's dgrad and wgrad GEMMs) is a
-# regemm call on the CPU and XLA's own dot on the GPU (jax_regemm._ops.plain):
+# regemm call on the CPU and XLA's own dot on the GPU (jax_regemm._route.plain):
 # the regemm calls a program has per plain GEMM in it.
 PLAIN_GEMM_CALLS = 0 if jax.default_backend() == "gpu" else 1
 
@@ -84,7 +84,7 @@ def _gelu_u(z):
 
 
 def np_act(name: str, z, slope: float = 0.01) -> np.ndarray:
-    """act(z) of SPEC §3 in float64. gelu's 0.5 (1 + tanh u) is written as its
+    """act(z) of docs/spec.md §3 in float64. gelu's 0.5 (1 + tanh u) is written as its
     identity sigmoid(2u), which keeps relative accuracy in the negative tail."""
     z = np.asarray(z, np.float64)
     with np.errstate(all="ignore"):
@@ -108,7 +108,7 @@ def np_act(name: str, z, slope: float = 0.01) -> np.ndarray:
 
 
 def np_act_grad(name: str, z, slope: float = 0.01) -> np.ndarray:
-    """act'(z) of SPEC §3 in float64, closed forms; NaN in gives NaN out."""
+    """act'(z) of docs/spec.md §3 in float64, closed forms; NaN in gives NaN out."""
     z = np.asarray(z, np.float64)
     with np.errstate(all="ignore"):
         if name == "none":
@@ -156,7 +156,7 @@ def np_gemm_bias_act(
     a, b, bias=None, *, act="relu", slope=0.01, c=None, alpha=1.0, beta=0.0, trans_a=False, trans_b=False,
     bias_kind="none",
 ):  # fmt: skip
-    """(Y, Z) of SPEC §1 in float64; leading batch dims broadcast like np.matmul."""
+    """(Y, Z) of docs/spec.md §1 in float64; leading batch dims broadcast like np.matmul."""
     a64, b64 = f64(a), f64(b)
     opa = np.swapaxes(a64, -1, -2) if trans_a else a64
     opb = np.swapaxes(b64, -1, -2) if trans_b else b64
@@ -168,7 +168,7 @@ def np_gemm_bias_act(
 
 
 def infer_kind(shape, m, n) -> str:
-    """SPEC §2's rule, restated: (),(1,) scalar; (N,),(1,N) per-col (so length M == N is per-col); (M,),(M,1) per-row."""
+    """docs/spec.md §2's rule, restated: (),(1,) scalar; (N,),(1,N) per-col (so length M == N is per-col); (M,),(M,1) per-row."""
     shape = tuple(shape)
     if shape == ():
         return "scalar"
@@ -202,7 +202,7 @@ def bias_shape_of(label: str, m: int, n: int):
 
 
 # ---------------------------------------------------------------------------
-# errors and tolerances (SPEC §5)
+# errors and tolerances (docs/spec.md §5)
 # ---------------------------------------------------------------------------
 
 
@@ -227,11 +227,11 @@ def _precision_is_highest(precision) -> bool:
 
 
 def tol(dtype, precision=None) -> float:
-    """SPEC §5's relative Frobenius tolerance for outputs of this dtype.
+    """docs/spec.md §5's relative Frobenius tolerance for outputs of this dtype.
 
     f32 is "exact" (< 1e-5) on CPU and with precision=HIGHEST; at the default
     precision on an accelerator it may be TF32 (< 5e-3), as XLA's own dot.
-    f64 is not in the SPEC's table: 1e-12 (its accumulation is f64)."""
+    f64 is not in the the contract's table: 1e-12 (its accumulation is f64)."""
     dtype = jnp.dtype(dtype)
     if dtype == jnp.float64:
         return 1e-12
@@ -245,7 +245,7 @@ def tol(dtype, precision=None) -> float:
 
 
 def assert_rel(got, ref, dtype, precision=None, what="", summands=None, k=0):
-    """SPEC §5's check. Below the output dtype's smallest normal number a correctly
+    """docs/spec.md §5's check. Below the output dtype's smallest normal number a correctly
     rounded value is only absolutely accurate (f16: to 3e-8, half a subnormal step;
     hypothesis found Y = -8.2e-8, stored as -6.0e-8, relative error 0.27), so the
     norm of the reference is floored there. Normal-range outputs keep the
@@ -309,7 +309,7 @@ def assert_same_op(got, want, dtype, what=""):
     """One op reached through two calls that differ in what else they compute
     (with and without the Z stash). The CPU runs one kernel for both: bit for
     bit. The GPU tunes each call signature on its own (ffi/cuda/tuner.cu) and
-    may run each with another kernel: equal to SPEC §5's tolerance."""
+    may run each with another kernel: equal to docs/spec.md §5's tolerance."""
     if on_cpu():
         np.testing.assert_array_equal(f64(got), f64(want), err_msg=what)
     else:
@@ -374,3 +374,36 @@ def rand(request) -> Rand:
 def x64():
     with jax.enable_x64(True):
         yield
+
+
+# The GPU test files whose tests run the CUTLASS kernels of the dtype they are given: in a build
+# with REGEMM_CUTLASS_DTYPES leaving that dtype out (docs/environment.md) they skip.
+_CUTLASS_FILES = ("test_gpu_cutlass.py", "test_gpu_tuner.py", "test_dgrad_dact.py", "test_gpu.py")
+_FLOAT_NAMES = ("bfloat16", "float16", "float32")
+
+
+def _dtype_names(value):
+    """The float dtype names a test parameter names (a dtype, a dtype's name, or a tuple holding them)."""
+    values = value if isinstance(value, (tuple, list)) else (value,)
+    names = set()
+    for v in values:
+        try:
+            name = np.dtype(v).name if not isinstance(v, str) else v
+        except TypeError:
+            continue
+        if name in _FLOAT_NAMES:
+            names.add(name)
+    return names
+
+
+@pytest.fixture(autouse=True)
+def _cutlass_dtype_built(request):
+    from jax_regemm import _ffi  # (a query of the build, not of the package's math)
+
+    built = _ffi.cutlass_dtypes()
+    callspec = getattr(request.node, "callspec", None)
+    if not built or callspec is None or request.node.path.name not in _CUTLASS_FILES:
+        return
+    missing = set().union(*(_dtype_names(v) for v in callspec.params.values())) - set(built)
+    if missing:
+        pytest.skip(f"this build has no CUTLASS kernels of {sorted(missing)} (REGEMM_CUTLASS_DTYPES)")

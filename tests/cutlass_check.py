@@ -31,7 +31,7 @@ ACTS = ["none", "relu", "leaky_relu", "gelu", "gelu_erf", "sigmoid", "tanh", "si
 BIAS = ["none", "scalar", "per_row", "per_col"]
 CONFIGS = ["coop128x256", "ping128x128", "streamk128x128", "ping128x128c1"]
 DT = {"f32": (0, torch.float32), "bf16": (2, torch.bfloat16), "f16": (3, torch.float16)}
-TOL = {"f32": 5e-3, "bf16": 2e-2, "f16": 5e-3}  # SPEC §5 (f32 here is TF32)
+TOL = {"f32": 5e-3, "bf16": 2e-2, "f16": 5e-3}  # docs/spec.md §5 (f32 here is TF32)
 
 
 def act_ref(act, z, slope):

@@ -1,4 +1,4 @@
-"""Activations (SPEC §3): the kernels' act and act', and jax_regemm.reference's,
+"""Activations (docs/spec.md §3): the kernels' act and act', and jax_regemm.reference's,
 against float64 closed forms at many points, |z| up to 1e30, and NaN.
 
 The kernels are reached through the public API with K = 1 and B = [[1]], so
@@ -44,7 +44,7 @@ def fwd_rtol(dtype):
 
     16-bit outputs: one ulp on the CPU (f32 math, then one rounding); on an
     accelerator, whose epilogue may use approximate exp/tanh for 16-bit outputs,
-    SPEC §5's tolerance of the dtype, read pointwise."""
+    docs/spec.md §5's tolerance of the dtype, read pointwise."""
     d = jnp.dtype(dtype)
     if d.name in ("float64", "float32"):
         return {"float64": 1e-12, "float32": 2e-5}[d.name]
@@ -145,7 +145,7 @@ def test_kernel_leaky_relu_slope(x64, rand, slope):
 
 
 def test_kernel_relu_grad_at_zero_is_zero(x64):
-    """SPEC §3: relu'(0) = 0 (1 only if z > 0), whatever the save policy."""
+    """docs/spec.md §3: relu'(0) = 0 (1 only if z > 0), whatever the save policy."""
     for dt in (jnp.float32, jnp.float64):
         a, one = jnp.zeros((3, 1), dt).at[1, 0].set(-0.0), jnp.ones((1, 1), dt)
         for save in ("z", "y", "recompute"):
@@ -189,7 +189,7 @@ def test_reference_act_closed_form(x64, act, dtype):
 
 @pytest.mark.parametrize("act", ACTS)
 def test_reference_autodiff_equals_closed_form(x64, act):
-    """act' via jax.grad of the reference's act equals SPEC §3's closed form (in float64,
+    """act' via jax.grad of the reference's act equals docs/spec.md §3's closed form (in float64,
     at every point: jax.grad of a plain-jnp gelu forms inf * 0 past |z| ~ 1e100)."""
     z = points(jnp.float64)
     g = jax.vmap(jax.grad(lambda x: R.act_fwd(act, x, SLOPE)))(jnp.asarray(z))
@@ -201,7 +201,7 @@ def test_reference_autodiff_equals_closed_form(x64, act):
 
 
 def test_gelu_matches_jax_nn(x64, rand):
-    """SPEC §3: gelu == jax.nn.gelu(approximate=True), gelu_erf == jax.nn.gelu(approximate=False)."""
+    """docs/spec.md §3: gelu == jax.nn.gelu(approximate=True), gelu_erf == jax.nn.gelu(approximate=False)."""
     z = rand.normal((64,), jnp.float64, 3.0)
     a, one = z[:, None], jnp.ones((1, 1), jnp.float64)
     for act, approx in (("gelu", True), ("gelu_erf", False)):

@@ -1,5 +1,5 @@
 """The CPU backend: the oneDNN GEMM is the one that runs where its wheel is installed,
-and its large-problem paths hold SPEC §5 against the float64 NumPy reference with every
+and its large-problem paths hold docs/spec.md §5 against the float64 NumPy reference with every
 feature: transposes, alpha, beta*C, every bias kind, the Z stash, a batch sharing B and a
 batch of distinct B. Problems under a few MFLOP run on the calling thread (the other tests
 are mostly that small); larger ones split their output into blocks of at least 256 rows

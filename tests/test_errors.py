@@ -1,4 +1,4 @@
-"""Bad input (SPEC §7): a TypeError/ValueError naming the argument and the shapes,
+"""Bad input (docs/spec.md §7): a TypeError/ValueError naming the argument and the shapes,
 raised at trace time (eagerly, under jax.jit, under jax.eval_shape, which only
 traces); handler-side failures come back as errors, never an abort. And
 zero-sized dimensions, forward and gradients."""
@@ -254,7 +254,8 @@ def test_fwd_bad_input():
 def test_dense_bad_input():
     raises_everywhere(ValueError, r"x must have rank >= 1 \(\[\.\.\., K\]\), got shape \(\)", lambda x, w: rg.dense(x, w),
                       _arr(()), _arr((K, N)))  # fmt: skip
-    raises_everywhere(ValueError, r"contraction sizes differ", lambda x, w: rg.dense(x, w), _arr((2, K + 1)), _arr((K, N)))
+    raises_everywhere(ValueError, r"x \(2, 5\) has K=5 but w \(4, 5\) has K=4", lambda x, w: rg.dense(x, w),
+                      _arr((2, K + 1)), _arr((K, N)))  # fmt: skip
     raises_everywhere(ValueError, r"b of shape \(4,\) does not fit bias_kind='per_col'", lambda x, w, b: rg.dense(x, w, b),
                       _arr((2, K)), _arr((K, N)), _arr((4,)))  # fmt: skip
     raises_everywhere(ValueError, r"unknown activation", lambda x, w: rg.dense(x, w, act="mish"), _arr((2, K)), _arr((K, N)))
@@ -271,7 +272,7 @@ def _raw_gemm(a, b, bias, c, out_shape, **attrs):
     base.update(attrs)
     y_t = jax.ShapeDtypeStruct(out_shape, a.dtype)
     z_t = jax.ShapeDtypeStruct((0, 0), a.dtype)
-    return rg._ffi._call(rg._ffi.GEMM_TARGET, (y_t, z_t), a, b, bias, c, **base)  # the raw call, workspace added
+    return rg._ffi._call(rg._targets.GEMM, (y_t, z_t), a, b, bias, c, **base)  # the raw call, workspace added
 
 
 @pytest.mark.parametrize(
@@ -311,7 +312,7 @@ def test_handler_errors_are_errors(case, match):
 def test_dact_handler_errors_are_errors():
     gy, s = _arr((M, N)), _arr((M, N + 1))
     call = lambda gy, s, **kw: rg._ffi._call(
-        rg._ffi.DACT_TARGET, (jax.ShapeDtypeStruct(gy.shape, gy.dtype), jax.ShapeDtypeStruct((0,), gy.dtype)),
+        rg._targets.DACT, (jax.ShapeDtypeStruct(gy.shape, gy.dtype), jax.ShapeDtypeStruct((0,), gy.dtype)),
         gy, s, slope=np.float64(0.01), bias_kind="none", **kw)  # fmt: skip
     with pytest.raises(jax.errors.JaxRuntimeError, match=r"regemm: Z/Y: shape \[3, 6\] does not fit"):
         jax.block_until_ready(call(gy, s, act="gelu", from_y=False))
@@ -329,7 +330,7 @@ _ZERO = [(0, 5, 4), (3, 0, 4), (3, 5, 0), (0, 0, 0), (0, 5, 0), (1, 1, 0)]
 @pytest.mark.parametrize("dtype", ["f32", "f64", "f16"])
 @pytest.mark.parametrize("m,n,k", _ZERO)
 def test_zero_sized_forward(x64, rand, m, n, k, dtype):
-    """M, N or K = 0; K = 0 gives Y = act(beta C + bias) (SPEC §7)."""
+    """M, N or K = 0; K = 0 gives Y = act(beta C + bias) (docs/spec.md §7)."""
     dt = DTYPES[dtype]
     both = ((False, False), (True, True))
     for i, (kind, shape) in enumerate((("per_col", (n,)), ("per_row", (m, 1)), ("scalar", ()), ("none", None))):
@@ -405,3 +406,125 @@ def test_zero_sized_rows_under_vmap(x64, rand):
                  argnums=(0, 1))(b, bias)  # fmt: skip
     assert g[0].shape == b.shape and g[1].shape == bias.shape
     np.testing.assert_array_equal(f64(g[0]), 0.0)
+
+
+# ---------------------------------------------------------------------------
+# errors in the user's words, and inputs as plain jnp takes them
+# ---------------------------------------------------------------------------
+
+
+def test_dense_names_the_shape_as_passed():
+    """x's leading dims fold into M; the error shows x as the user passed it, not the folded [M, K]."""
+    raises_everywhere(ValueError, r"x \(2, 3, 5\) has K=5 but w \(6, 4\) has K=6", lambda x, w: rg.dense(x, w),
+                      _arr((2, 3, 5)), _arr((6, 4)))  # fmt: skip
+
+
+@pytest.mark.parametrize("flag", ["trans_a", "trans_b"])
+@pytest.mark.parametrize("value", ["no", 1, None])
+def test_trans_flags_must_be_bool(flag, value):
+    """A string's truth says nothing about the user's intent: trans_a="no" is an error, not True."""
+    raises_everywhere(TypeError, rf"{flag} must be True or False", gba(**{flag: value}), _arr((M, K)), _arr((K, N)))
+
+
+def test_mlp_names_its_activation_arguments():
+    x, ws = _arr((2, K)), [_arr((K, N)), _arr((N, 3))]
+    with pytest.raises(ValueError, match=r"final_act: unknown activation 'softmax'"):
+        rg.mlp(x, ws, final_act="softmax")
+    with pytest.raises(ValueError, match=r"^act: unknown activation 'mish'"):
+        rg.mlp(x, ws, act="mish")
+
+
+@pytest.mark.parametrize("weights", [None, 3, "w"])
+def test_mlp_weights_must_be_a_sequence(weights):
+    with pytest.raises(TypeError, match=r"weights must be a list or tuple"):
+        rg.mlp(_arr((2, K)), weights)
+
+
+def test_mlp_biases_must_be_a_sequence():
+    with pytest.raises(TypeError, match=r"biases must be a list or tuple"):
+        rg.mlp(_arr((2, K)), [_arr((K, N))], biases=_arr((N,)))
+
+
+def test_dense_and_mlp_with_k_zero(rand):
+    """K = 0: Y = act(bias) for every row, as plain jnp gives (docs/spec.md §7)."""
+    x, w, b = jnp.zeros((2, 3, 0)), jnp.zeros((0, N)), rand.normal((N,), F32)
+    want = np.broadcast_to(f64(jax.nn.gelu(b)), (2, 3, N))
+    np.testing.assert_allclose(f64(rg.dense(x, w, b, act="gelu")), want, rtol=1e-6)
+    w2 = rand.normal((N, 3), F32)
+    y = rg.mlp(x, [w, w2], [b, None], act="gelu")
+    np.testing.assert_allclose(f64(y), f64(jax.nn.gelu(b)[None, None] @ w2 + 0 * y), rtol=1e-5, atol=1e-6)
+    assert y.shape == (2, 3, 3)
+    g = jax.grad(lambda b: jnp.sum(rg.dense(x, w, b, act="gelu") ** 2))(b)
+    want_g = jax.grad(lambda b: jnp.sum(jnp.broadcast_to(jax.nn.gelu(b), (2, 3, N)) ** 2))(b)
+    np.testing.assert_allclose(f64(g), f64(want_g), rtol=1e-5)
+
+
+def test_numpy_float64_inputs_as_jnp_takes_them(rand):
+    """With x64 off, JAX reads a float64 NumPy array as float32: so do dense, mlp and their gradients."""
+    assert not jax.config.jax_enable_x64
+    x64_np = np.asarray(rand.normal((4, K), F32), np.float64)
+    w, b = rand.normal((K, N), F32), rand.normal((N,), F32)
+    plain = lambda x, w, b: jax.nn.relu(jnp.asarray(x) @ w + b)
+    assert_rel(rg.dense(x64_np, w, b, act="relu"), plain(x64_np, w, b), F32)
+    assert_rel(rg.mlp(x64_np, [np.asarray(w, np.float64)], [b], final_act="relu"), plain(x64_np, w, b), F32)
+    g = jax.grad(lambda w: jnp.sum(rg.dense(x64_np, w, b, act="relu")))(w)
+    assert_rel(g, jax.grad(lambda w: jnp.sum(plain(x64_np, w, b)))(w), F32)
+
+
+def test_equinox_linear_errors_name_its_fields():
+    eqx = pytest.importorskip("equinox")
+    from jax_regemm.equinox import Linear
+
+    layer = Linear(K, N, activation="relu", key=jax.random.PRNGKey(0))
+    with pytest.raises(ValueError, match=r"x must have shape \[\.\.\., 4\] \(in_features\), got shape \(\)"):
+        layer(jnp.float32(1.0))
+    with pytest.raises(ValueError, match=r"x \(3,\) has K=3 but weight \(5, 4\) has K=4: weight must be \[N, K\]"):
+        layer(_arr((3,)))
+    assert eqx is not None
+
+
+@pytest.mark.parametrize("route", ["auto", "xla"])
+def test_alpha_zero_and_beta_zero_read_nothing(monkeypatch, rand, route):
+    """alpha = 0 reads no product and beta = 0 no C, as BLAS (docs/spec.md §2): a NaN there stays out of
+    Y, on regemm's call and on XLA's program alike."""
+    monkeypatch.setenv("REGEMM_SMALL", route)
+    a, b = rand.normal((M, K), F32), rand.normal((K, N), F32)
+    c, bias = rand.normal((M, N), F32), rand.normal((N,), F32)
+    nan_a = a.at[1, 2].set(jnp.nan)
+    nan_c = c.at[0, 0].set(jnp.nan)
+    y = jax.jit(lambda a, c: rg.gemm_bias_act(a, b, bias, act="tanh", c=c, alpha=0.0, beta=2.0))(nan_a, c)
+    assert_rel(y, jnp.tanh(2.0 * c + bias), F32)
+    y = jax.jit(lambda a, c: rg.gemm_bias_act(a, b, bias, act="tanh", c=c, alpha=1.5, beta=0.0))(a, nan_c)
+    assert_rel(y, jnp.tanh(1.5 * (a @ b) + bias), F32)
+    want = R.gemm_bias_act(nan_a, b, bias, act="tanh", c=nan_c, alpha=0.0, beta=0.0, bias_kind="per_col")
+    assert_rel(want, jnp.broadcast_to(jnp.tanh(bias), (M, N)), F32)
+
+
+# ---------------------------------------------------------------------------
+# dense's errors, in its words
+# ---------------------------------------------------------------------------
+
+_CM, _CK, _CN = 6, 5, 4  # the shapes these messages name
+
+
+def test_dense_errors_name_x_w_b(rand):
+    x, w = rand.normal((_CM, _CK)), rand.normal((_CK, _CN))
+    with pytest.raises(ValueError, match=r"w must have rank 2 \(\[K, N\]\), got shape \(2, 5, 4\)"):
+        rg.dense(x, rand.normal((2, _CK, _CN)))
+    with pytest.raises(TypeError, match="x must be an array, got list"):
+        rg.dense([[1.0] * _CK], w)
+    with pytest.raises(ValueError, match=r"x \(6, 5\) has K=5 but w \(4, 4\) has K=4"):
+        rg.dense(x, rand.normal((_CN, _CN)))
+    with pytest.raises(ValueError, match=r"b of shape \(3,\) does not fit"):
+        rg.dense(x, w, rand.normal((3,)))
+    with pytest.raises(TypeError, match="b has dtype float16 but x has float32"):
+        rg.dense(x, w, rand.normal((_CN,), jnp.float16))
+
+
+@pytest.mark.parametrize("name", ["alpha", "beta", "leaky_slope"])
+@pytest.mark.parametrize("value,err", [(float("nan"), ValueError), (float("inf"), ValueError), ("2", TypeError),
+                                       (True, TypeError), (jnp.float32(2.0), TypeError)])  # fmt: skip
+def test_scalars_must_be_finite_numbers(rand, name, value, err):
+    a, b, _, c = rand.operands(_CM, _CN, _CK, jnp.float32, with_c=True)
+    with pytest.raises(err, match=name):
+        rg.gemm_bias_act(a, b, c=c, act="leaky_relu", **{name: value})

@@ -1,4 +1,4 @@
-"""Forward (SPEC §1, §2, §5): the fused op and jax_regemm.reference against the
+"""Forward (docs/spec.md §1, §2, §5): the fused op and jax_regemm.reference against the
 float64 NumPy reference of conftest, for every activation x bias shape x dtype x
 transpose, with alpha/beta/C; bias-kind inference; caller batch dims with
 broadcasting; dense; the Z stash (Y == act(Z)); precision."""
@@ -94,7 +94,7 @@ def test_fwd_stash_y_equals_act_z(rand, x64, dtype):
         assert_rel(y, want_y, dt, what=f"Y {act}")
         if dt in (jnp.float32, jnp.float64):
             # pointwise: act evaluated in the accumulator type (test_activations' tolerance); an
-            # accelerator at default f32 precision (TF32) may use approximate math: SPEC's TF32 bound
+            # accelerator at default f32 precision (TF32) may use approximate math: the contract's TF32 bound
             rtol = 1e-12 if dt == jnp.float64 else 2e-5 if on_cpu() else tol(dt)
             np.testing.assert_allclose(f64(y), np_act(act, f64(z)), rtol=rtol, atol=1e-30, err_msg=act)
         else:
@@ -108,7 +108,7 @@ def test_fwd_stash_y_equals_act_z(rand, x64, dtype):
 
 
 # ---------------------------------------------------------------------------
-# bias-kind inference (SPEC §2)
+# bias-kind inference (docs/spec.md §2)
 # ---------------------------------------------------------------------------
 
 _INFER_CASES = [
@@ -164,7 +164,7 @@ def rel_gap(x, y):
 
 
 # ---------------------------------------------------------------------------
-# leading batch dims from the caller (SPEC §2)
+# leading batch dims from the caller (docs/spec.md §2)
 # ---------------------------------------------------------------------------
 
 _BATCH_CASES = [
@@ -257,7 +257,7 @@ def test_dense_vector_input(rand, x64):
 
 
 def test_precision_highest_is_exact_f32(rand):
-    """precision=HIGHEST (argument or context) is true f32 on every backend (SPEC §5)."""
+    """precision=HIGHEST (argument or context) is true f32 on every backend (docs/spec.md §5)."""
     a, b, bv, c = rand.operands(33, 40, 129, jnp.float32, bias_shape=(40,), with_c=True)
     want, _ = np_gemm_bias_act(a, b, bv, act="gelu", c=c, beta=0.5, bias_kind="per_col")
     hi, lo = jax.lax.Precision.HIGHEST, jax.lax.Precision.DEFAULT
@@ -276,7 +276,7 @@ def test_precision_highest_is_exact_f32(rand):
         assert "exact_f32 = false" in lower()
     with jax.default_matmul_precision("float32"):
         assert "exact_f32 = true" in lower()
-    # the default precision is within the tolerance SPEC §5 gives it (TF32 where the device has it)
+    # the default precision is within the tolerance docs/spec.md §5 gives it (TF32 where the device has it)
     y = rg.gemm_bias_act(a, b, bv, act="gelu", c=c, beta=0.5)
     assert_rel(y, want, jnp.float32, what="default precision")
 
@@ -313,7 +313,7 @@ def test_numpy_inputs(rand, x64):
 
 
 def test_tolerance_table():
-    """The helper's tolerances are SPEC §5's."""
+    """The helper's tolerances are docs/spec.md §5's."""
     assert tol(jnp.bfloat16) == 2e-2 and tol(jnp.float16) == 5e-3
     assert tol(jnp.float32, "highest") == 1e-5
 

@@ -4,7 +4,7 @@ Every activation x bias kind x dtype x transpose x save policy is covered
 pairwise (each pair of values meets in at least one case, with the odd sizes
 1, 7, 33, 129 among the shapes) rather than as the full product, which would
 take an hour of compiles. Errors are relative Frobenius errors against a
-float64 reference on upcast inputs (SPEC §5): f32 with precision=HIGHEST
+float64 reference on upcast inputs (docs/spec.md §5): f32 with precision=HIGHEST
 < 1e-5, f32 default (TF32 allowed) < 5e-3, bf16 < 2e-2, f16 < 5e-3. Inputs are
 fresh random numbers, never zeros. The whole module is skipped without a GPU.
 """
@@ -304,8 +304,8 @@ def test_dact_kernel(mode, kind):
                 s = r.normal((2, m, n), dtype, 2.0)
                 if from_y:  # a Y the activation can produce
                     s = ref.act_fwd(act, s.astype(jnp.float32)).astype(dtype)
-                spec = rg._ops._DactSpec(act, 0.01, from_y, kind, blen)
-                gz, gb = jax.jit(jax.vmap(lambda g, s: rg._ops.dact(spec, g, s)))(gy, s)
+                spec = rg._epilogues.DactSpec(act, 0.01, from_y, kind, blen)
+                gz, gb = jax.jit(jax.vmap(lambda g, s: rg._epilogues.dact(spec, g, s)))(gy, s)
                 want = lambda g, s: ref.dact(up(g), up(s), act=act, from_y=from_y, bias_kind=kind)
                 gz_r, gb_r = jax.vmap(want)(gy, s)
                 what = (act, from_y, m, n)

@@ -1,5 +1,5 @@
 """The CUTLASS sm90 forward kernels through the public API, on the GPU, against
-the pure-JAX reference (SPEC §5 tolerances). Skips without a Hopper GPU or a
+the pure-JAX reference (docs/spec.md §5 tolerances). Skips without a Hopper GPU or a
 CUDA module built with the CUTLASS kernels.
 
 REGEMM_BACKEND=cutlass_sm90 makes the registry prefer the CUTLASS entry

@@ -161,7 +161,7 @@ def test_every_activation_in_every_config(way, dtype, act, monkeypatch):
     _check_forced_way(way, seed, dtype, 200, 264, 136, act, False, monkeypatch)
 
 
-# The kernels of one costly activation (ffi/cuda/cutlass_kernels.h, kOneActs:
+# The kernels of one costly activation (ffi/cuda/cutlass/cutlass_kernels.h, kOneActs:
 # ping128x128c1, every dtype and layout, built without C): each runs where
 # its activation is asked for without C, matches the reference, and gives the
 # bits of the every-activation kernel (REGEMM_CUTLASS_ONE_ACT=0), which computes

@@ -1,4 +1,4 @@
-"""Gradients (SPEC §1 backward, §4 residual policies, §5): jax.test_util.check_grads
+"""Gradients (docs/spec.md §1 backward, §4 residual policies, §5): jax.test_util.check_grads
 (rev, x64) for every act x bias kind x save policy, order 2 for a subset;
 alpha/beta/C, transposes and caller batch dims; the bias gradient of every
 bias shape; gemm_bias_act_bwd vs jax.grad of the reference; gradients in
@@ -316,7 +316,7 @@ def test_explicit_bwd_batched_under_jit(x64, rand):
 @pytest.mark.parametrize("act", ACTS)
 def test_grads_low_precision_vs_f64(x64, rand, act, dtype):
     """Gradients of every input in f32/bf16/f16 vs the float64 gradient of the same
-    (rounded) inputs, within SPEC §5's tolerance of the dtype."""
+    (rounded) inputs, within docs/spec.md §5's tolerance of the dtype."""
     dt = DTYPES[dtype]
     m, n, k = 12, 10, 24
     a, b, bias, c = draw(rand, act, kind="per_col", m=m, n=n, k=k)
@@ -339,7 +339,7 @@ def test_grads_low_precision_vs_f64(x64, rand, act, dtype):
 
 
 # ---------------------------------------------------------------------------
-# residual policies (SPEC §4) and the split backward (SPEC §6)
+# residual policies (docs/spec.md §4) and the split backward (docs/spec.md §6)
 # ---------------------------------------------------------------------------
 
 
@@ -349,7 +349,7 @@ def _calls(text, target):
 
 
 def _fwd_gemm_calls(text):
-    return [ln for ln in _calls(text, rg._ffi.GEMM_TARGET) if 'act = "none"' not in ln]
+    return [ln for ln in _calls(text, rg._targets.GEMM.name) if 'act = "none"' not in ln]
 
 
 @pytest.mark.parametrize(
@@ -375,18 +375,18 @@ def test_save_policy_residuals(rand, act, save, stores_z, from_y, fused):
     fwd = _fwd_gemm_calls(text)
     assert len(fwd) == 1, fwd
     assert ("store_z = true" in fwd[0]) == stores_z
-    dact = _calls(text, rg._ffi.DACT_TARGET)
+    dact = _calls(text, rg._targets.DACT.name)
     assert len(dact) == 1 and (f"from_y = {str(from_y).lower()}" in dact[0])
     # the fused GEMMs (the forward; recompute: Z again, with the bias), then dgrad and wgrad
-    assert len(_calls(text, rg._ffi.GEMM_TARGET)) == fused + 2 * PLAIN_GEMM_CALLS
+    assert len(_calls(text, rg._targets.GEMM.name)) == fused + 2 * PLAIN_GEMM_CALLS
     # and the forward alone (no grad) never stores Z
     text = jax.jit(lambda a, b, bias: rg.gemm_bias_act(a, b, bias, act=act, save=save)).lower(a, b, bias).as_text()
-    assert "store_z = false" in _calls(text, rg._ffi.GEMM_TARGET)[0]
+    assert "store_z = false" in _calls(text, rg._targets.GEMM.name)[0]
 
 
 def _compiled_gemms(f, argnums, *args):
     text = jax.jit(jax.grad(f, argnums=argnums)).lower(*args).compile().as_text()
-    return len(_calls(text, rg._ffi.GEMM_TARGET)), len(_calls(text, rg._ffi.DACT_TARGET))
+    return len(_calls(text, rg._targets.GEMM.name)), len(_calls(text, rg._targets.DACT.name))
 
 
 @pytest.mark.parametrize("save", ["z", "y", "recompute"])
@@ -427,22 +427,22 @@ def test_plain_gemms_are_xla_dots_on_cuda(rand, monkeypatch):
     loss = lambda a, b, bias: jnp.sum(rg.gemm_bias_act(a, b, bias, act="gelu") ** 2)
     grad = jax.grad(loss, argnums=(0, 1, 2))
     text = _lowered_for_cuda(grad, a, b, bias)
-    assert len(_calls(text, rg._ffi.GEMM_TARGET)) == 1 and text.count("stablehlo.dot_general") == 2, text
-    assert len(_calls(text, rg._ffi.DACT_TARGET)) == 1
+    assert len(_calls(text, rg._targets.GEMM.name)) == 1 and text.count("stablehlo.dot_general") == 2, text
+    assert len(_calls(text, rg._targets.DACT.name)) == 1
     # alpha != 1 and the transposes, as dots (the forward of act none without a bias or C)
     text = _lowered_for_cuda(lambda a, b: rg.gemm_bias_act(b, a, act="none", alpha=-2.0, trans_a=True, trans_b=True), a, b)
-    assert not _calls(text, rg._ffi.GEMM_TARGET) and text.count("stablehlo.dot_general") == 1, text
+    assert not _calls(text, rg._targets.GEMM.name) and text.count("stablehlo.dot_general") == 1, text
     batched = rand.normal((3, M, K), jnp.float32)
     text = _lowered_for_cuda(lambda x: jax.grad(lambda b: jnp.sum(jax.vmap(lambda x: loss(x, b, bias))(x)))(b), batched)
     assert f"{3}x{K}x{N}" not in text and text.count("stablehlo.dot_general") == 1, text  # the wgrad over 3 x M rows
     monkeypatch.setenv("REGEMM_PLAIN_GEMM", "regemm")  # read at lowering: a new function, not a cached lowering
     text = _lowered_for_cuda(jax.grad(lambda *args: loss(*args), argnums=(0, 1, 2)), a, b, bias)
-    assert len(_calls(text, rg._ffi.GEMM_TARGET)) == 3 and "stablehlo.dot_general" not in text
+    assert len(_calls(text, rg._targets.GEMM.name)) == 3 and "stablehlo.dot_general" not in text
     # REGEMM_PLAIN_GEMM=xla: XLA's dots on the CPU too (there the default is regemm's GEMM)
     monkeypatch.setenv("REGEMM_PLAIN_GEMM", "xla")
     fresh = jax.grad(lambda *args: loss(*args), argnums=(0, 1, 2))
     text = jax.jit(fresh).trace(a, b, bias).lower(lowering_platforms=("cpu",)).as_text()
-    assert len(_calls(text, rg._ffi.GEMM_TARGET)) == 1 and text.count("stablehlo.dot_general") == 2, text
+    assert len(_calls(text, rg._targets.GEMM.name)) == 1 and text.count("stablehlo.dot_general") == 2, text
 
 
 def _layer_loss(a, b, bias):
@@ -459,7 +459,7 @@ def _fresh_grad(f):
 
 
 def _regemm_calls(text):
-    return sum(len(_calls(text, t)) for t in (rg._ffi.GEMM_TARGET, rg._ffi.DACT_TARGET, rg._ffi.DGRAD_DACT_TARGET))
+    return sum(len(_calls(text, t)) for t in (rg._targets.GEMM.name, rg._targets.DACT.name, rg._targets.DGRAD_DACT.name))
 
 
 def _check_xla_program_on_cpu(variable, fns, monkeypatch):
@@ -486,7 +486,7 @@ def test_dact_on_xla_by_variable(rand, monkeypatch):
     for (f, args), w in zip(fns, want):
         for platform in ("cpu", "cuda"):
             text = jax.jit(_fresh_grad(f)).trace(*args).lower(lowering_platforms=(platform,)).as_text()
-            assert not _calls(text, rg._ffi.DACT_TARGET) and not _calls(text, rg._ffi.DGRAD_DACT_TARGET), platform
+            assert not _calls(text, rg._targets.DACT.name) and not _calls(text, rg._targets.DGRAD_DACT.name), platform
         for g, r in zip(jax.tree.leaves(jax.jit(_fresh_grad(f))(*args)), jax.tree.leaves(w)):
             assert_rel(g, r, jnp.float32)
 
@@ -504,10 +504,10 @@ def test_unaligned_ops_are_xla_programs_on_cuda(rand, monkeypatch):
         assert regemm_calls(text) == 0 and text.count("stablehlo.dot_general") == 3, (dt, m, n, k, text)
     a, b, bias, _ = rand.operands(16, 16, 12, jnp.bfloat16, bias_shape=(16,))  # rows of K only: the dact's are whole
     text = _lowered_for_cuda(grad(layer), a, b, bias)
-    assert not _calls(text, rg._ffi.GEMM_TARGET) and len(_calls(text, rg._ffi.DACT_TARGET)) == 1, text
+    assert not _calls(text, rg._targets.GEMM.name) and len(_calls(text, rg._targets.DACT.name)) == 1, text
     a, b, bias, _ = rand.operands(3, 8, 4, jnp.float32, bias_shape=(8,))  # f32 rows of 4 and 8: aligned
     text = _lowered_for_cuda(grad(layer), a, b, bias)
-    assert len(_calls(text, rg._ffi.GEMM_TARGET)) == 1 and len(_calls(text, rg._ffi.DACT_TARGET)) == 1, text
+    assert len(_calls(text, rg._targets.GEMM.name)) == 1 and len(_calls(text, rg._targets.DACT.name)) == 1, text
     x = rand.normal((M, K), jnp.float32)
     ws = [rand.normal((K, 6), jnp.float32, 0.3), rand.normal((6, N), jnp.float32, 0.3)]  # rows of 6 and 5
     bs = [rand.normal((6,), jnp.float32), rand.normal((N,), jnp.float32)]
@@ -517,7 +517,7 @@ def test_unaligned_ops_are_xla_programs_on_cuda(rand, monkeypatch):
     monkeypatch.setenv("REGEMM_UNALIGNED", "regemm")
     a, b, bias, _ = rand.operands(M, N, K, jnp.float32, bias_shape=(N,))
     text = _lowered_for_cuda(grad(layer), a, b, bias)
-    assert len(_calls(text, rg._ffi.GEMM_TARGET)) == 1 and len(_calls(text, rg._ffi.DACT_TARGET)) == 1, text
+    assert len(_calls(text, rg._targets.GEMM.name)) == 1 and len(_calls(text, rg._targets.DACT.name)) == 1, text
 
 
 def test_small_ops_are_xla_programs_on_cuda(rand, monkeypatch):
@@ -561,7 +561,7 @@ def test_kinked_act_on_xla_program_keeps_z_in_f32(rand, act, save, monkeypatch):
     """A bf16 relu or leaky_relu layer lowered to XLA's own program (REGEMM_SMALL=xla here; by
     default the GPU's small and unaligned ops) decides act' on Z in f32, as the kernels do: with
     Z rounded to bf16 first, act' flipped near 0 and the gradients of sum(sin(y)) were 3.1e-2 off
-    the reference's here (3.6e-2 on the H100 at 2048x1024x1024), over SPEC's 2e-2 for bf16. So is
+    the reference's here (3.6e-2 on the H100 at 2048x1024x1024), over the contract's 2e-2 for bf16. So is
     the Z the backward recomputes (save="recompute")."""
     monkeypatch.setenv("REGEMM_SMALL", "xla")
     m, k, n = 64, 32, 48
@@ -593,7 +593,7 @@ def test_16bit_inference_with_xla_epilogue_is_xla_program_on_cuda(rand, act, mon
     m, k, n = 1024, 64, 4096  # not small (_SMALL_ROWS, _SMALL_ELEMENTS)
     spec = lambda dt, *shape: jax.ShapeDtypeStruct(shape, dt)
     bf16 = jnp.bfloat16
-    gemms = lambda f, *args: _calls(_lowered_for_cuda(f, *args), rg._ffi.GEMM_TARGET)
+    gemms = lambda f, *args: _calls(_lowered_for_cuda(f, *args), rg._targets.GEMM.name)
 
     def fwd_calls(dt, bias_shape, alpha=1.0, with_c=False, a=act):
         f = lambda x, w, bias, c: rg.gemm_bias_act(x, w, bias, c=c, alpha=alpha, beta=1.0, act=a)
@@ -623,7 +623,7 @@ def test_16bit_inference_with_xla_epilogue_is_xla_program_on_cuda(rand, act, mon
     want = jax.jit(lambda *x: f(*x))(a, b, bias)  # regemm's call on the CPU
     monkeypatch.setenv("REGEMM_XLA_EPILOGUE", "xla")
     g = jax.jit(lambda *x: f(*x))
-    assert not _calls(g.trace(a, b, bias).lower(lowering_platforms=("cpu",)).as_text(), rg._ffi.GEMM_TARGET)
+    assert not _calls(g.trace(a, b, bias).lower(lowering_platforms=("cpu",)).as_text(), rg._targets.GEMM.name)
     up = lambda x: x.astype(jnp.float32)
     got = g(a, b, bias)
     assert got.dtype == bf16
@@ -633,14 +633,14 @@ def test_16bit_inference_with_xla_epilogue_is_xla_program_on_cuda(rand, act, mon
 
 def test_plain_gemm_on_xla_matches_the_reference(rand):
     """The dot the CUDA lowering emits for a plain GEMM (alpha, transposes, f32 and bf16), run here."""
-    from jax_regemm import _ops
+    from jax_regemm import _args, _programs
 
     for dt in (jnp.float32, jnp.bfloat16):
         for ta, tb in TRANS:
             a, b, _, _ = rand.operands(M, N, K, dt, trans_a=ta, trans_b=tb)
             for alpha in (1.0, -0.75):
-                cfg = _ops.Config(act="none", alpha=alpha, trans_a=ta, trans_b=tb)
-                (y,) = jax.jit(lambda a, b: _ops._xla_gemm(a, b, cfg=cfg))(a, b)
+                cfg = _args.Config(act="none", alpha=alpha, trans_a=ta, trans_b=tb)
+                (y,) = jax.jit(lambda a, b: _programs.xla_gemm(a, b, cfg=cfg))(a, b)
                 want, _ = np_gemm_bias_act(a, b, None, act="none", alpha=alpha, trans_a=ta, trans_b=tb)
                 assert y.dtype == dt
                 assert_rel(y, want, dt)

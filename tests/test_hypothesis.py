@@ -1,6 +1,6 @@
 """Property tests: random problems (shapes with 1 and odd sizes, act, bias shape,
 dtype, transposes, alpha/beta, C, caller batch dims) against the float64 NumPy
-reference, within SPEC §5's tolerance for the dtype; and random f64 gradient
+reference, within docs/spec.md §5's tolerance for the dtype; and random f64 gradient
 problems against jax.grad of jax_regemm.reference.
 
 Hypothesis draws the problem and a seed; the numbers come from NumPy's
@@ -29,7 +29,7 @@ def problems(draw, dtypes=tuple(DTYPES)):
     label, shape, kind = draw(st.sampled_from(bias_variants(m, n)))
     explicit = draw(st.booleans())  # pass bias_kind, or let it be inferred
     if not explicit and shape is not None:
-        # inference would read some shapes differently when M == N or N == 1 (SPEC §2):
+        # inference would read some shapes differently when M == N or N == 1 (docs/spec.md §2):
         # the reference must then use the inferred kind
         kind = infer_kind(shape, m, n)
     return dict(

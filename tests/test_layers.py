@@ -2,7 +2,7 @@
 
 For identical parameters each layer must give the framework layer's output
 followed by the activation, and the same gradients (in f64, so that the only
-differences are rounding: SPEC §5); parameter trees must match the originals
+differences are rounding: docs/spec.md §5); parameter trees must match the originals
 (checkpoints load both ways); and the Equinox layer, applied per example under
 `jax.vmap`, must lower to one GEMM over the batch with the weight shared by
 stride.
@@ -269,7 +269,7 @@ def test_equinox_vmap_is_one_gemm_with_the_weight_shared():
     x = normal(1, (b, K), jnp.float32)
     f = jax.jit(lambda m, x: jax.vmap(m)(x))
     hlo = f.lower(layer, x).compile().as_text()
-    calls = [line for line in hlo.splitlines() if f'custom_call_target="{rg._ffi.GEMM_TARGET}"' in line]
+    calls = [line for line in hlo.splitlines() if f'custom_call_target="{rg._targets.GEMM.name}"' in line]
     assert len(calls) == 1, hlo
     assert f"f32[{b},{K}]" in calls[0] and f"f32[{N},{K}]" in calls[0], calls[0]  # operands A and W
     assert "while" not in hlo and "dot(" not in hlo
@@ -280,7 +280,7 @@ def test_equinox_vmap_is_one_gemm_with_the_weight_shared():
 def test_equinox_vmap_mlp_one_gemm_per_layer():
     mlp = rg_eqx.MLP(K, 10, 32, 2, key=jax.random.key(0))
     hlo = jax.jit(jax.vmap(mlp)).lower(normal(1, (64, K), jnp.float32)).compile().as_text()
-    assert len(_custom_calls(hlo, rg._ffi.GEMM_TARGET)) == 3 and "while" not in hlo
+    assert len(_custom_calls(hlo, rg._targets.GEMM.name)) == 3 and "while" not in hlo
 
 
 def test_equinox_vmap_weight_gradient_is_one_gemm():
@@ -294,7 +294,7 @@ def test_equinox_vmap_weight_gradient_is_one_gemm():
     grad_fn = jax.jit(jax.grad(lambda p, x: loss(eqx.combine(p, static), x)))
     hlo = grad_fn.lower(params, x).compile().as_text()
     assert f"[{b},{N},{K}]" not in hlo and f"[{b},{K},{N}]" not in hlo
-    assert len(_custom_calls(hlo, rg._ffi.GEMM_TARGET)) == 1 + PLAIN_GEMM_CALLS, hlo  # forward; wgrad
+    assert len(_custom_calls(hlo, rg._targets.GEMM.name)) == 1 + PLAIN_GEMM_CALLS, hlo  # forward; wgrad
     grads = eqx.filter_grad(loss)(layer, x)
     ref = eqx.filter_grad(lambda m, x: jnp.sum(jax.nn.relu(jax.vmap(m)(x)) ** 2))(
         eqx.nn.Linear(K, N, key=jax.random.key(0)), x

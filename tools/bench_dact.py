@@ -45,9 +45,9 @@ def main():
             cases = {}
             for act, from_y, kind in CASES:
                 blen = {"per_col": (n,), "per_row": (m,), "scalar": (1,)}[kind]
-                spec = rg._ops._DactSpec(act, 0.01, from_y, kind, blen)
+                spec = rg._epilogues.DactSpec(act, 0.01, from_y, kind, blen)
                 tag = f"{dname}_{m}_{n}_{act}_{kind}"
-                ours = named_jit(lambda g, s, spec=spec: rg._ops.dact(spec, g, s), f"{tag}_regemm")
+                ours = named_jit(lambda g, s, spec=spec: rg._epilogues.dact(spec, g, s), f"{tag}_regemm")
                 ref = named_jit(lambda g, s, a=act, f=from_y, k=kind: rg.reference.dact(g, s, act=a, from_y=f, bias_kind=k),
                                 f"{tag}_xla")  # fmt: skip
                 cases[f"{tag}_regemm"] = (ours, sets)

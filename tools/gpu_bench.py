@@ -64,10 +64,10 @@ def main():
     for dtype in (jnp.float32, jnp.bfloat16):
         mm, nn = 16384, 8192
         gy, z = rand((mm, nn), dtype, 4), rand((mm, nn), dtype, 5)
-        from jax_regemm import _ops
+        from jax_regemm import _epilogues
 
-        spec = _ops._DactSpec("gelu", 0.01, False, "per_col", (nn,))
-        f = jax.jit(lambda gy, z: _ops.dact(spec, gy, z))
+        spec = _epilogues.DactSpec("gelu", 0.01, False, "per_col", (nn,))
+        f = jax.jit(lambda gy, z: _epilogues.dact(spec, gy, z))
         t = timeit(f, gy, z)
         nbytes = 3 * mm * nn * np.dtype(dtype).itemsize
         print(f"dact gelu per-col {np.dtype(dtype).name:8s} {mm}x{nn}: {t * 1e3:8.3f} ms  {nbytes / t / 1e9:7.0f} GB/s")

@@ -1,0 +1,129 @@
+"""The routing: which program each op lowers to, regemm's call or XLA's own.
+
+Decided per op when a program is lowered, from what is known then: the platform, the
+dtype, the shapes, the op's configuration (activation, bias, C, Z asked for), and whether
+it is the forward of a derivative. The answer is a program name, which the primitive
+maps to its lowering: "regemm" (the FFI call behind its partitioning rule), "xla_gemm"
+(XLA's dot), "xla_folded" (the product in the input dtype, then the epilogue, as a user
+writes it), or "reference" (the op's reference: Z accumulated in f32, where a kink's act'
+is decided on Z, so Z must be rounded once as the kernels round it).
+
+The table below says which classes of op go to XLA's program by default, per platform;
+each class has a switch (_env: auto, xla or regemm) that overrides it on every platform,
+for A/B and for the kernel tests at odd and small sizes. Measured on the H100 and H200
+(benchmarks/results/, docs/performance.md):
+
+- "gemm", a plain GEMM (nothing to fuse: the backward's dgrad and wgrad): XLA's GEMM is
+  at least as fast and a cheaper launch.
+- "unaligned", rows that are not whole 16-byte vectors: XLA pads such a GEMM, where
+  regemm's TMA and vector kernels cannot run and its fallbacks ran at 0.47-0.86 of XLA's speed.
+- "small", at most _SMALL_ROWS rows of output or _SMALL_ELEMENTS elements (over the batch
+  dims): a call's host cost is most of an uncaptured program's time, and XLA's own GEMMs
+  for few rows (split-K, Triton) run as fast or faster; regemm's calls lost by wall clock
+  in 64 of 84 such layers.
+- "xla_epilogue", a 16-bit forward outside a derivative whose epilogue XLA folds into its
+  own GEMM (act none or relu, a per-column bias): the same single kernel at a cheaper
+  launch. In a derivative's forward the call stays: there the peak holds every layer's
+  residuals, and XLA's GEMM brought its 32 MiB cuBLAS workspace to it.
+- "dact", the backward epilogue: regemm's everywhere (on XLA, whole training steps ran
+  0.98x of XLA's speed against 1.13x).
+On the CPU every class stays regemm's: oneDNN's 16-bit GEMMs are several times faster
+than XLA's, and f32 layers measured the same either way.
+"""
+
+from __future__ import annotations
+
+import math
+
+from jax._src import core as _core
+
+from . import _env
+from ._targets import gemm_shape
+
+_GPU_DTYPES = ("float32", "bfloat16", "float16")
+ON_XLA = {
+    "cuda": {"gemm": _GPU_DTYPES + ("float64",), "dact": (), "unaligned": _GPU_DTYPES, "small": _GPU_DTYPES,
+             "xla_epilogue": ("bfloat16", "float16")},
+    "cpu": {"gemm": (), "dact": (), "unaligned": (), "small": (), "xla_epilogue": ()},
+}  # fmt: skip
+PLATFORMS = tuple(ON_XLA)
+SWITCH = {"gemm": "REGEMM_PLAIN_GEMM", "dact": "REGEMM_DACT", "unaligned": "REGEMM_UNALIGNED",
+          "small": "REGEMM_SMALL", "xla_epilogue": "REGEMM_XLA_EPILOGUE"}  # fmt: skip
+_SMALL_ROWS, _SMALL_ELEMENTS = 512, 2**21
+
+
+def on_xla(op, platform, dtype):
+    """Whether ops of class `op` lower to XLA's program on `platform` for `dtype`: the switch, else the table."""
+    forced = _env.route(SWITCH[op])
+    if forced != "auto":
+        return forced == "xla"
+    return dtype.name in ON_XLA[platform][op]
+
+
+def unaligned(platform, dtype, *row_lengths):
+    """Whether an op with rows of these lengths (elements, as stored) lowers to XLA's program for being
+    unaligned: some row is not a whole number of 16-byte vectors, which the GPU kernels' TMA descriptors
+    and vector loads need (ffi/cuda/cutlass/cutlass_dispatch.cu, ffi/cuda/epilogue/dact.cu)."""
+    per_vector = max(16 // dtype.itemsize, 1)
+    return any(n % per_vector for n in row_lengths) and on_xla("unaligned", platform, dtype)
+
+
+def small(platform, dtype, *shapes):
+    """Whether an op lowers to XLA's program for being small (at most _SMALL_ROWS rows of output or
+    _SMALL_ELEMENTS elements, counted over its batch dims). shapes: the output's, or operands with the
+    output's rows (the largest count is taken), the last with its columns. A symbolic dim (jax.export's
+    shape polymorphism) leaves the size to run time: not small. Under a mesh these are the global shapes,
+    before partitioning (a device's share is smaller)."""
+    if not on_xla("small", platform, dtype) or not all(_core.is_constant_shape(s) for s in shapes):
+        return False
+    rows = max(math.prod(s[:-1]) for s in shapes)
+    return rows <= _SMALL_ROWS or rows * shapes[-1][-1] <= _SMALL_ELEMENTS
+
+
+def plain(cfg):
+    """alpha op(A) op(B) and nothing else: no bias, C, activation or Z stash to fuse."""
+    return cfg.act == "none" and cfg.bias_kind == "none" and not cfg.c_shape and not cfg.return_z
+
+
+def kink_decided_on_z(cfg):
+    """Whether a kink's act' will be decided on this op's Z, which must then be the product and
+    bias rounded once, as the kernels and the reference have it: relu or leaky_relu in a
+    derivative's forward or with Z asked for, and a Z the backward recomputes (act none with
+    save="recompute": its layer's act is not known here, so every recompute). XLA's program
+    rounds the product first, and where its GEMM fusion is Triton's act' flipped near 0: bf16
+    gradients 3.6e-2 off the reference's (2048x1024x1024 relu, H100; the contract's bound is 2e-2)."""
+    if cfg.act == "none":
+        return cfg.save == "recompute"
+    return cfg.act in ("relu", "leaky_relu") and (cfg.differentiated or cfg.return_z)
+
+
+def _xla_epilogue(cfg):
+    """A forward outside a derivative whose epilogue XLA folds into its own GEMM: act none or relu,
+    a per-column bias or none, nothing else (no C, alpha 1, no Z asked for)."""
+    return (cfg.act in ("none", "relu") and cfg.bias_kind in ("none", "per_col") and not cfg.c_shape
+            and cfg.alpha == 1.0 and not cfg.return_z and not cfg.differentiated and not kink_decided_on_z(cfg))  # fmt: skip
+
+
+def fused_program(platform, cfg, a_shape, b_shape, dtype):
+    """The program regemm_fused lowers to: "xla_gemm", "reference", "xla_folded" or "regemm"."""
+    if cfg.alpha == 0:  # no product to compute: the reference reads none, as BLAS (docs/spec.md §2)
+        return "reference"
+    if plain(cfg) and on_xla("gemm", platform, dtype):
+        return "xla_gemm"
+    out = gemm_shape(a_shape, b_shape, cfg.trans_a, cfg.trans_b, *([cfg.c_shape] if cfg.c_shape else []))
+    rows = (a_shape[-1], b_shape[-1], out[-1]) + tuple(cfg.c_shape[-1:])  # as stored: A, B, Y and Z, C
+    if unaligned(platform, dtype, *rows) or small(platform, dtype, out):
+        return "reference" if kink_decided_on_z(cfg) else "xla_folded"
+    if _xla_epilogue(cfg) and on_xla("xla_epilogue", platform, dtype):
+        return "xla_folded"
+    return "regemm"
+
+
+def epilogue_program(platform, dtype, *shapes):
+    """The program a backward epilogue (regemm_dact: gY and S; regemm_dgrad_dact: A, B and S) lowers to:
+    "reference" or "regemm". gZ has S's rows and columns (and gY's rows, or A's)."""
+    if on_xla("dact", platform, dtype):
+        return "reference"
+    if unaligned(platform, dtype, *(s[-1] for s in shapes)) or small(platform, dtype, shapes[0], shapes[-1]):
+        return "reference"
+    return "regemm"
