@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_regemm as rg
+import plain as PLAIN
 
 try:  # what jax.ad_checkpoint.print_saved_residuals prints, as data
     from jax._src.ad_checkpoint import saved_residuals
@@ -43,8 +44,8 @@ MLPS = [(2048, 1024, 16), (16384, 1024, 16), (65536, 256, 16)]  # (batch, width,
 
 
 def xla_layer(act):
-    def f(x, w, b, precision):
-        return rg.reference.act_fwd(act, jnp.dot(x, w, precision=precision) + b)
+    def f(x, w, b, precision):  # the plain program (plain.py)
+        return PLAIN.dense(x, w, b, act=act, precision=precision)
 
     return f
 
@@ -75,7 +76,7 @@ def fwd_bwd(f):
 
 def layer_program(impl, act, mode, m, k, n, dtype_name, seed=0):
     """(jitted program, its arguments): one layer of `impl` ("regemm" or "xla"), forward or
-    forward+backward, on fresh random inputs (trace.py and host_timeline.py time these)."""
+    forward+backward, on fresh random inputs (tools/kernel_trace.py and tools/host_timeline.py time these)."""
     dtype, precision = DTYPES[dtype_name]
     ks = jax.random.split(jax.random.PRNGKey(seed), 4)
     x = jax.random.normal(ks[0], (m, k), dtype)

@@ -57,10 +57,10 @@ import optax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-import jax_regemm as rg
+import plain as PLAIN
 from devtime import device_times_ms, named_jit, turns
 
-ACT = {"gelu": lambda x: nn.gelu(x, approximate=True), "relu": nn.relu, "silu": nn.silu}
+ACT = PLAIN.ACT  # jax.nn's activations (plain.py)
 # (batch rows, width, layers)
 # "floor": the shapes of ../shared/baselines/xla_train_step_floor_h100_2026-11-25.txt.
 SHAPES = {"quick": [(8192, 1024, 4), (32768, 512, 12)],
