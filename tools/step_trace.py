@@ -1,6 +1,6 @@
 """Where one training step's device time goes, kernel by kernel: benchmarks/bench_train.py's
 step (Flax MLP + optax AdamW) for its floor (no bias, no activation), XLA's MLP and ours, each
-kernel name's device time summed over the step (the profiler's timeline, tools/trace.py).
+kernel name's device time summed over the step (the profiler's timeline, tools/kernel_trace.py).
 
     python tools/step_trace.py 32768x512x12:bf16:relu [--sides floor,xla,ours,ours_nobias] [--list]
 
@@ -24,7 +24,7 @@ import optax
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1] / "benchmarks")]
 from bench_train import DTYPES, PlainMLP, make_step, ours_mlp  # noqa: E402
-from trace import trace  # noqa: E402  (tools/trace.py, ahead of the standard library's trace)
+from kernel_trace import trace  # noqa: E402
 
 
 def model_of(side, width, layers, act, dtype):

@@ -4,7 +4,7 @@ profiler's GPU stream timeline, as devtime.py reads it). For the
 "two numbers" method: which kernel is off its floor, and how much is launch
 gaps.
 
-    python tools/trace.py --shape 128:1024:1024 --dtype bf16 --act sigmoid --mode fwd_bwd
+    python tools/kernel_trace.py --shape 128:1024:1024 --dtype bf16 --act sigmoid --mode fwd_bwd
 """
 
 from __future__ import annotations
