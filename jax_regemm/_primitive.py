@@ -63,12 +63,8 @@ def explicit(aval):
 
 def register_uncached(p, rule, platform=None):
     """register_lowering for a rule that reads its operands' producers: uncached, as JAX lowers a
-    cacheable equation as an out-of-line function whose operands are its parameters. A JAX
-    without the `cacheable` argument lowers equations inline."""
-    try:
-        mlir.register_lowering(p, rule, platform=platform, cacheable=False)
-    except TypeError:
-        mlir.register_lowering(p, rule, platform=platform)
+    cacheable equation as an out-of-line function whose operands are its parameters."""
+    mlir.register_lowering(p, rule, platform=platform, cacheable=False)
 
 
 def _ref_jvp(p, ref):
