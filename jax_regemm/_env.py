@@ -160,6 +160,8 @@ def check(environ=None) -> None:
         if not name.startswith("REGEMM_"):
             continue
         s = _BY_NAME.get(name)
+        if not value.strip():  # set but empty: unset, as the handlers read it
+            continue
         if s is None:
             raise ValueError(f"{name} is not a jax_regemm switch; the switches are {', '.join(_BY_NAME)} "
                              "(docs/environment.md)")  # fmt: skip
@@ -169,8 +171,8 @@ def check(environ=None) -> None:
 
 def _value(name: str) -> str | None:
     check()
-    v = os.environ.get(name)
-    return None if v is None else v.strip().lower()
+    v = os.environ.get(name, "").strip().lower()
+    return v or None  # (empty: unset)
 
 
 def route(name: str) -> str:
@@ -193,9 +195,10 @@ def markdown() -> str:
               "build": "Read by the build", "dev": "Read by the repository's scripts"}  # fmt: skip
     out = ["# Environment variables", "",
            "Every `REGEMM_*` variable, generated from `jax_regemm/_env.py` (`python -m jax_regemm._env`).",
-           "On/off switches take 1, on, true, yes / 0, off, false, no, in any case. Whenever a program is",
-           "lowered, every set `REGEMM_*` variable is checked: an unknown name or value raises a ValueError",
-           "that names the allowed ones. A build option and a run-time switch never share a name.", ""]  # fmt: skip
+           "On/off switches take 1, on, true, yes / 0, off, false, no, in any case; an empty value is unset.",
+           "Whenever a program is lowered, every set `REGEMM_*` variable is checked: an unknown name or value",
+           "raises a ValueError that names the allowed ones. A build option and a run-time switch never share",
+           "a name.", ""]  # fmt: skip
     for read, title in titles.items():
         out += [f"## {title}", "", "| variable | values | default | effect |", "| --- | --- | --- | --- |"]
         for s in SWITCHES:

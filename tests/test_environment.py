@@ -53,8 +53,13 @@ def test_flag_spellings(monkeypatch, value, want):
     assert _env.flag("REGEMM_IN_PLACE") is want
 
 
-def test_flag_default(monkeypatch):
-    monkeypatch.delenv("REGEMM_IN_PLACE", raising=False)
+@pytest.mark.parametrize("value", [None, "", " "])
+def test_flag_default_where_unset_or_empty(monkeypatch, value):
+    if value is None:
+        monkeypatch.delenv("REGEMM_IN_PLACE", raising=False)
+    else:
+        monkeypatch.setenv("REGEMM_IN_PLACE", value)
+        monkeypatch.setenv("REGEMM_FUSED_DGRAD", value)  # (an empty value of any switch passes the check)
     assert _env.flag("REGEMM_IN_PLACE") is True
 
 
