@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import jax
+import jax.export  # a submodule, an attribute of jax only once imported (jax < 0.8)
 import jax.numpy as jnp
 
 import math
