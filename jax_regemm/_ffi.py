@@ -222,8 +222,11 @@ def gemm(a, b, bias, c, **params):
     return y, (z if store_z else None)
 
 
-def dact(gy, s, *, bias_len, **params):
-    """(gZ, gBias or None) = the dact target; params: act, slope, from_y, bias_kind."""
+def dact(gy, s, *, bias_len, in_place=False, **params):
+    """(gZ, gBias or None) = the dact target; params: act, slope, from_y, bias_kind (and what else a
+    caller's attributes hold: a K-sharded dgrad_dact passes its own, whose in_place is not the dact's:
+    it writes over no operand)."""
+    del in_place
     batch = gemm_shape(gy.shape, s.shape, False, False)[:-2]
     has_bias = params["bias_kind"] != "none"
     gz_t = jax.ShapeDtypeStruct(batch + gy.shape[-2:], gy.dtype)
