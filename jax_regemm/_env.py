@@ -81,9 +81,9 @@ SWITCHES = (
            + ". auto: XLA's on the GPU (its padded GEMM beats regemm's unaligned fallbacks), regemm's on the CPU. "
            "The test suite sets regemm, to test the kernels at odd sizes."),
     Switch("REGEMM_SMALL", "lowering", _ROUTE, "auto",
-           "Ops with at most 512 rows of output or 2^21 elements " + _ROUTE_DOC
-           + ". auto: XLA's on the GPU (a custom call's host cost is most of such a program's time), regemm's "
-           "on the CPU. The test suite sets regemm."),
+           "Ops with at most 512 rows of output or 2^21 elements, or narrow ones (fewer than 128 output columns) " + _ROUTE_DOC
+           + ". auto: XLA's on the GPU (a custom call's host cost is most of a small program's time; regemm's "
+           "128-wide tiles compute mostly padding in a narrow one), regemm's on the CPU. The test suite sets regemm."),
     Switch("REGEMM_XLA_EPILOGUE", "lowering", _ROUTE, "auto",
            "16-bit forwards outside a derivative of act none or relu with a per-column bias (an epilogue XLA "
            "folds into its own GEMM) " + _ROUTE_DOC + ". auto: XLA's on the GPU, regemm's on the CPU. "

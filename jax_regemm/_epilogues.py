@@ -99,7 +99,7 @@ def _dact_rule(base, platform, ctx, gy, s, *, spec):
     return base(ctx, gy, s, spec=spec)
 
 
-_dact_p = define("regemm_dact", _programs.dact_ref, programs={"regemm": _dact_lower, "reference": _programs.dact_ref},
+_dact_p = define("regemm_dact", _programs.dact_ref, programs={"regemm": _dact_lower, "xla": _programs.dact_ref},
                  pick=_epilogue_pick(2), rule=_dact_rule)  # fmt: skip
 
 
@@ -117,8 +117,9 @@ def _bias_grad_lower(gz, *, kind):
     return [_partition.bias_grad(gz, kind)]
 
 
-_bias_grad_p = define("regemm_bias_grad", _programs.bias_grad_ref, programs={"regemm": _bias_grad_lower},
-                      pick=lambda platform, gz, *, kind: "regemm")  # fmt: skip
+_bias_grad_p = define("regemm_bias_grad", _programs.bias_grad_ref,
+                      programs={"regemm": _bias_grad_lower, "xla": _programs.bias_grad_ref},
+                      pick=lambda platform, gz, *, kind: _route.epilogue_program(platform, gz.dtype, gz.shape))  # fmt: skip
 
 
 def bias_grad(gz, kind):
@@ -175,7 +176,7 @@ def _lower_layer_backward(ctx, avals, operands, wgrad, spec):
 
 _dgrad_dact_pick = _epilogue_pick(3)
 _dgrad_dact_p = define("regemm_dgrad_dact", _programs.dgrad_dact_ref,
-                       programs={"regemm": _dgrad_dact_lower, "reference": _programs.dgrad_dact_ref},
+                       programs={"regemm": _dgrad_dact_lower, "xla": _programs.dgrad_dact_xla},
                        pick=_dgrad_dact_pick, rule=_dgrad_dact_rule)  # fmt: skip
 
 

@@ -80,15 +80,21 @@ def fused_ref(*args, cfg):
     return fused_outputs(cfg, z, bias, c, a.dtype)
 
 
+def xla_product(a, b, *, alpha, trans_a, trans_b, exact_f32, out_sharding=None):
+    """alpha op(A) op(B) in a's dtype as XLA's own dot (accumulated in f32, as nn.Dense's)."""
+    prec = lax.Precision.HIGHEST if exact_f32 else lax.Precision.DEFAULT
+    mm = partial(jnp.matmul, op(a, trans_a), op(b, trans_b), precision=prec, out_sharding=out_sharding)
+    if alpha == 1.0:
+        return mm()
+    return scaled(alpha, mm(preferred_element_type=acc_dtype(a.dtype))).astype(a.dtype)
+
+
 def xla_gemm(a, b, *, cfg):
     """A plain GEMM as XLA's own dot: XLA's autotuned GEMM (split-K for the narrow
     wgrads of deep narrow MLPs), a cheaper launch than a custom call, and a node XLA
     can fuse and schedule around."""
-    prec = lax.Precision.HIGHEST if cfg.exact_f32 else lax.Precision.DEFAULT
-    mm = partial(jnp.matmul, op(a, cfg.trans_a), op(b, cfg.trans_b), precision=prec, out_sharding=cfg.out_sharding)
-    if cfg.alpha == 1.0:  # the product in a's dtype, accumulated in f32 (as nn.Dense's)
-        return [mm()]
-    return [scaled(cfg.alpha, mm(preferred_element_type=acc_dtype(a.dtype))).astype(a.dtype)]
+    return [xla_product(a, b, alpha=cfg.alpha, trans_a=cfg.trans_a, trans_b=cfg.trans_b, exact_f32=cfg.exact_f32,
+                        out_sharding=cfg.out_sharding)]  # fmt: skip
 
 
 def xla_folded(*args, cfg):
@@ -176,6 +182,14 @@ def dgrad_dact_ref(a, b, s, *after, spec):
     prec = lax.Precision.HIGHEST if spec.exact_f32 else None
     gy = spec.alpha * jnp.matmul(op(a, spec.trans_a), op(b, spec.trans_b), precision=prec, preferred_element_type=acc)
     return dact_ref(gy.astype(a.dtype), s, spec=spec.dact)
+
+
+def dgrad_dact_xla(a, b, s, *after, spec):
+    """regemm_dgrad_dact as the program a user's backward is: the dgrad product in the input dtype
+    (XLA's own GEMM, which writes no f32 [M, N] as the reference's product may), then dact_ref,
+    which XLA fuses into one elementwise pass and the bias gradient's reduction."""
+    gy = xla_product(a, b, alpha=spec.alpha, trans_a=spec.trans_a, trans_b=spec.trans_b, exact_f32=spec.exact_f32)
+    return dact_ref(gy, s, spec=spec.dact)
 
 
 def bias_grad_ref(gz, *, kind):

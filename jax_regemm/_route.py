@@ -5,8 +5,11 @@ dtype, the shapes, the op's configuration (activation, bias, C, Z asked for), an
 it is the forward of a derivative. The answer is a program name, which the primitive
 maps to its lowering: "regemm" (the FFI call behind its partitioning rule), "xla_gemm"
 (XLA's dot), "xla_folded" (the product in the input dtype, then the epilogue, as a user
-writes it), or "reference" (the op's reference: Z accumulated in f32, where a kink's act'
-is decided on Z, so Z must be rounded once as the kernels round it).
+writes it), or "reference" (alpha = 0: no product). A backward epilogue's are "regemm" and
+"xla" (the program a user's backward is). An op on XLA's program has that program's
+numerics (docs/spec.md §1): the product rounded to the input dtype before the epilogue, so a
+kink's act' is decided on that Z. (It was the reference's, Z in f32 rounded once, until the
+narrow MLPs: their f32 products cost the 2^20-row steps 0.6 ms of 1.4; h200_narrow.md.)
 
 The table below says which classes of op go to XLA's program by default, per platform;
 each class has a switch (_env: auto, xla or regemm) that overrides it on every platform,
@@ -17,10 +20,16 @@ for A/B and for the kernel tests at odd and small sizes. Measured on the H100 an
   at least as fast and a cheaper launch.
 - "unaligned", rows that are not whole 16-byte vectors: XLA pads such a GEMM, where
   regemm's TMA and vector kernels cannot run and its fallbacks ran at 0.47-0.86 of XLA's speed.
-- "small", at most _SMALL_ROWS rows of output or _SMALL_ELEMENTS elements (over the batch
-  dims): a call's host cost is most of an uncaptured program's time, and XLA's own GEMMs
-  for few rows (split-K, Triton) run as fast or faster; regemm's calls lost by wall clock
-  in 64 of 84 such layers.
+- "small", too small in some dimension for regemm's tiles: at most _SMALL_ROWS rows of
+  output or _SMALL_ELEMENTS elements (over the batch dims), where a call's host cost is most
+  of an uncaptured program's time and XLA's own GEMMs for few rows (split-K, Triton) run as
+  fast or faster (regemm's calls lost by wall clock in 64 of 84 such layers); or narrow,
+  fewer than _NARROW output columns, where regemm's 128-wide tiles compute mostly padding
+  and its epilogue stores part-empty subtiles while XLA picks tiles that fit (narrow MLPs of
+  widths 16-64 on regemm's calls: training steps at 0.34-0.79 of the plain program's speed;
+  on XLA's, 0.97-1.03; benchmarks/results/h200_narrow.md). A narrow contraction alone (a
+  first layer on 32 features) keeps the call: routing those too ran no faster and held 1.14x
+  the temporaries at 2^20 x 32 -> 128.
 - "xla_epilogue", a 16-bit forward outside a derivative whose epilogue XLA folds into its
   own GEMM (act none or relu, a per-column bias): the same single kernel at a cheaper
   launch. In a derivative's forward the call stays: there the peak holds every layer's
@@ -49,7 +58,7 @@ ON_XLA = {
 PLATFORMS = tuple(ON_XLA)
 SWITCH = {"gemm": "REGEMM_PLAIN_GEMM", "dact": "REGEMM_DACT", "unaligned": "REGEMM_UNALIGNED",
           "small": "REGEMM_SMALL", "xla_epilogue": "REGEMM_XLA_EPILOGUE"}  # fmt: skip
-_SMALL_ROWS, _SMALL_ELEMENTS = 512, 2**21
+_SMALL_ROWS, _SMALL_ELEMENTS, _NARROW = 512, 2**21, 128
 
 
 def on_xla(op, platform, dtype):
@@ -69,15 +78,16 @@ def unaligned(platform, dtype, *row_lengths):
 
 
 def small(platform, dtype, *shapes):
-    """Whether an op lowers to XLA's program for being small (at most _SMALL_ROWS rows of output or
-    _SMALL_ELEMENTS elements, counted over its batch dims). shapes: the output's, or operands with the
-    output's rows (the largest count is taken), the last with its columns. A symbolic dim (jax.export's
-    shape polymorphism) leaves the size to run time: not small. Under a mesh these are the global shapes,
+    """Whether an op lowers to XLA's program for being small: at most _SMALL_ROWS rows of output or
+    _SMALL_ELEMENTS elements, counted over its batch dims, or narrow, fewer than _NARROW columns of
+    output. shapes: the output's, or operands with the output's rows (the largest count is taken), the
+    last with its columns. A symbolic dim (jax.export's shape
+    polymorphism) leaves the size to run time: not small. Under a mesh these are the global shapes,
     before partitioning (a device's share is smaller)."""
     if not on_xla("small", platform, dtype) or not all(_core.is_constant_shape(s) for s in shapes):
         return False
-    rows = max(math.prod(s[:-1]) for s in shapes)
-    return rows <= _SMALL_ROWS or rows * shapes[-1][-1] <= _SMALL_ELEMENTS
+    rows, cols = max(math.prod(s[:-1]) for s in shapes), shapes[-1][-1]
+    return rows <= _SMALL_ROWS or rows * cols <= _SMALL_ELEMENTS or cols < _NARROW
 
 
 def plain(cfg):
@@ -86,12 +96,12 @@ def plain(cfg):
 
 
 def kink_decided_on_z(cfg):
-    """Whether a kink's act' will be decided on this op's Z, which must then be the product and
-    bias rounded once, as the kernels and the reference have it: relu or leaky_relu in a
-    derivative's forward or with Z asked for, and a Z the backward recomputes (act none with
-    save="recompute": its layer's act is not known here, so every recompute). XLA's program
-    rounds the product first, and where its GEMM fusion is Triton's act' flipped near 0: bf16
-    gradients 3.6e-2 off the reference's (2048x1024x1024 relu, H100; the contract's bound is 2e-2)."""
+    """Whether a kink's act' will be decided on this op's Z: relu or leaky_relu in a derivative's
+    forward or with Z asked for, and a Z the backward recomputes (act none with save="recompute": its
+    layer's act is not known here, so every recompute). Where both programs run equally fast (the
+    xla_epilogue class) such an op keeps regemm's call, whose Z is the product and bias rounded once:
+    XLA's program rounds the product first, and where its GEMM fusion is Triton's act' flipped near 0
+    (bf16 gradients 3.6e-2 off the reference's at 2048x1024x1024 relu, H100, as the plain program's)."""
     if cfg.act == "none":
         return cfg.save == "recompute"
     return cfg.act in ("relu", "leaky_relu") and (cfg.differentiated or cfg.return_z)
@@ -113,17 +123,19 @@ def fused_program(platform, cfg, a_shape, b_shape, dtype):
     out = gemm_shape(a_shape, b_shape, cfg.trans_a, cfg.trans_b, *([cfg.c_shape] if cfg.c_shape else []))
     rows = (a_shape[-1], b_shape[-1], out[-1]) + tuple(cfg.c_shape[-1:])  # as stored: A, B, Y and Z, C
     if unaligned(platform, dtype, *rows) or small(platform, dtype, out):
-        return "reference" if kink_decided_on_z(cfg) else "xla_folded"
+        return "xla_folded"
     if _xla_epilogue(cfg) and on_xla("xla_epilogue", platform, dtype):
         return "xla_folded"
     return "regemm"
 
 
 def epilogue_program(platform, dtype, *shapes):
-    """The program a backward epilogue (regemm_dact: gY and S; regemm_dgrad_dact: A, B and S) lowers to:
-    "reference" or "regemm". gZ has S's rows and columns (and gY's rows, or A's)."""
+    """The program a backward epilogue (regemm_dact: gY and S; regemm_dgrad_dact: A, B and S;
+    regemm_bias_grad: gZ) lowers to: "xla" (the program a user's backward
+    is: XLA's product in the input dtype, then the elementwise act' and the bias sum) or "regemm". gZ has
+    S's rows and columns (and gY's rows, or A's)."""
     if on_xla("dact", platform, dtype):
-        return "reference"
+        return "xla"
     if unaligned(platform, dtype, *(s[-1] for s in shapes)) or small(platform, dtype, shapes[0], shapes[-1]):
-        return "reference"
+        return "xla"
     return "regemm"

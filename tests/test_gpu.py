@@ -404,19 +404,20 @@ def test_zero_and_one_sizes(m, n, k, kind):
 
 
 @pytest.mark.parametrize("mode", ("bf16", "f32"))
-@pytest.mark.parametrize("case", ("unaligned", "small"))
+@pytest.mark.parametrize("case", ("unaligned", "small", "narrow"))
 def test_default_runs_xla_program(case, mode, monkeypatch):
-    """By default an op whose rows are not whole 16-byte vectors (K = 999, N = 1001), or one with at
-    most 512 rows of output, lowers to XLA's own program on the GPU (the suite sets
-    REGEMM_UNALIGNED=regemm and REGEMM_SMALL=regemm for the kernels): no regemm call, and the
-    forward, Z and the gradients within the dtype's tolerance of the float64 reference."""
+    """By default an op whose rows are not whole 16-byte vectors (K = 999, N = 1001), one with at
+    most 512 rows of output, or a narrow one (N = 64, over 2^21 elements) lowers to XLA's
+    own program on the GPU (the suite sets REGEMM_UNALIGNED=regemm and REGEMM_SMALL=regemm for the
+    kernels): no regemm call, and the forward, Z and the gradients within the dtype's tolerance of
+    the float64 reference."""
     monkeypatch.delenv("REGEMM_UNALIGNED", raising=False)  # read at lowering
     monkeypatch.delenv("REGEMM_SMALL", raising=False)
     if case == "unaligned":
         monkeypatch.setenv("REGEMM_SMALL", "regemm")  # the 200 rows below would be small too
     dtype, precision, tol = MODES[mode]
     r = Rand(5)
-    m, n, k = (200, 1001, 999) if case == "unaligned" else (512, 1024, 768)
+    m, n, k = {"unaligned": (200, 1001, 999), "small": (512, 1024, 768), "narrow": (65536, 64, 256)}[case]
     a, b, bias, c = operands(r, m, n, k, dtype, trans_a=False, trans_b=False, kind="per_col", with_c=False)
     ours = lambda a, b, bias: rg.gemm_bias_act(a, b, bias, act="gelu", precision=precision, save="z")
     text = jax.jit(jax.grad(lambda *x: jnp.sum(ours(*x) ** 2), argnums=(0, 1, 2))).lower(a, b, bias).as_text()
@@ -430,6 +431,35 @@ def test_default_runs_xla_program(case, mode, monkeypatch):
     want = jax.grad(loss(theirs), argnums=(0, 1, 2))(up(a), up(b), up(bias))
     for g, w in zip(got, want):
         assert g.dtype == dtype and rel(g, w) < tol, rel(g, w)
+
+
+def test_narrow_mlp_runs_xla_program(monkeypatch):
+    """A narrow MLP (2^16 rows, 32 inputs, three hidden layers 64 wide, 16 outputs) lowers to XLA's
+    own program by default, forward and backward (every layer is under 128 wide), with its numerics
+    (docs/spec.md §1): the output and gradients are the plain program's, act(h @ w + b) per layer in
+    bf16, to bf16's rounding where the two programs order their operations differently."""
+    monkeypatch.delenv("REGEMM_SMALL", raising=False)  # read at lowering
+    r = np.random.default_rng(11)
+    dims = (32, 64, 64, 64, 16)
+    x = jnp.asarray(r.standard_normal((65536, dims[0])), jnp.bfloat16)
+    ws = [jnp.asarray(r.standard_normal((k, n)) / np.sqrt(k), jnp.bfloat16) for k, n in zip(dims, dims[1:])]
+    bs = [jnp.asarray(r.standard_normal(n), jnp.bfloat16) for n in dims[1:]]
+    loss = lambda f: (lambda x, ws, bs: jnp.sum(jnp.sin(f(x, ws, bs).astype(jnp.float32))))
+    ours = lambda x, ws, bs: rg.mlp(x, ws, bs, act="relu")
+
+    def plain(x, ws, bs):
+        for i, (w, b) in enumerate(zip(ws, bs)):
+            x = x @ w + b
+            x = jax.nn.relu(x) if i < len(ws) - 1 else x
+        return x
+
+    grad = jax.jit(jax.grad(loss(ours), argnums=(0, 1, 2)))
+    assert "regemm_" not in grad.lower(x, ws, bs).as_text()
+    assert rel(jax.jit(ours)(x, ws, bs), jax.jit(plain)(x, ws, bs)) < 1e-2
+    got = jax.tree.leaves(grad(x, ws, bs))
+    want = jax.tree.leaves(jax.jit(jax.grad(loss(plain), argnums=(0, 1, 2)))(x, ws, bs))
+    for g, w in zip(got, want):
+        assert g.dtype == jnp.bfloat16 and rel(g, w) < 2e-2, rel(g, w)
 
 
 # ---------------------------------------------------------------------------

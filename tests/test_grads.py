@@ -557,28 +557,30 @@ def test_small_ops_are_xla_programs_on_cuda(rand, monkeypatch):
 
 @pytest.mark.parametrize("save", ("auto", "recompute"))
 @pytest.mark.parametrize("act", ("relu", "leaky_relu"))
-def test_kinked_act_on_xla_program_keeps_z_in_f32(rand, act, save, monkeypatch):
+def test_kinked_act_on_xla_program_is_the_plain_program(rand, act, save, monkeypatch):
     """A bf16 relu or leaky_relu layer lowered to XLA's own program (REGEMM_SMALL=xla here; by
-    default the GPU's small and unaligned ops) decides act' on Z in f32, as the kernels do: with
-    Z rounded to bf16 first, act' flipped near 0 and the gradients of sum(sin(y)) were 3.1e-2 off
-    the reference's here (3.6e-2 on the H100 at 2048x1024x1024), over the contract's 2e-2 for bf16. So is
-    the Z the backward recomputes (save="recompute")."""
+    default the GPU's small, narrow and unaligned ops) is the program a user writes, with its
+    numerics (docs/spec.md §1): the product in bf16 (no f32 product in the forward or the
+    backward, where the reference's f32 products cost narrow MLPs 0.6 ms of a 1.4 ms step), act'
+    decided on that Z, and the forward and gradients of sum(sin(y)) those of plain
+    act(x @ w + b), to bf16's rounding of the few elements whose order of operations differs."""
     monkeypatch.setenv("REGEMM_SMALL", "xla")
     m, k, n = 64, 32, 48
     a, b, bias, _ = rand.operands(m, n, k, jnp.bfloat16, bias_shape=(n,))
     loss = lambda a, b, bias: jnp.sum(jnp.sin(rg.dense(a, b, bias, act=act, save=save)))
     g = _fresh_grad(loss)
-    assert _regemm_calls(jax.jit(g).trace(a, b, bias).lower(lowering_platforms=("cpu",)).as_text()) == 0
-    up = lambda x: x.astype(jnp.float32)
-    ref_loss = lambda a, b, bias: jnp.sum(jnp.sin(R.gemm_bias_act(a, b, bias, act=act, precision=jax.lax.Precision.HIGHEST)))
-    want = jax.grad(ref_loss, argnums=(0, 1, 2))(up(a), up(b), up(bias))
-    for got, w in zip(jax.jit(g)(a, b, bias), want):
+    text = jax.jit(g).trace(a, b, bias).lower(lowering_platforms=("cpu",)).as_text()
+    assert _regemm_calls(text) == 0
+    assert not re.findall(r"dot_general.*-> tensor<\d+x\d+xf32>", text), text
+    # leaky_relu as docs/spec.md §3 has it, act' = slope at z = 0 (jax.nn's is 1 there; in bf16 a few
+    # z + b are exactly 0)
+    act_fn = {"relu": jax.nn.relu, "leaky_relu": lambda z: jnp.where(z > 0, z, 0.01 * z)}[act]
+    plain = lambda a, b, bias: jnp.sum(jnp.sin(act_fn(a @ b + bias)))
+    y = jax.jit(lambda a, b, bias: rg.dense(a, b, bias, act=act, save=save))(a, b, bias)
+    np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(act_fn(a @ b + bias), np.float32))
+    for got, w in zip(jax.jit(g)(a, b, bias), jax.jit(jax.grad(plain, argnums=(0, 1, 2)))(a, b, bias)):
         assert got.dtype == jnp.bfloat16
-        assert_rel(got, w, jnp.bfloat16, what=act)
-    # outside a derivative no act' is decided: the forward is the program a user writes, a bf16 product
-    dots = lambda f: re.findall(r"dot_general.*-> tensor<64x48x(\w+)>", jax.jit(f).lower(a, b, bias).as_text())
-    assert dots(lambda a, b, bias: rg.dense(a, b, bias, act=act, save=save)) == ["bf16"]
-    assert "f32" in dots(g) and "bf16" not in dots(g)
+        assert_rel(got, w.astype(jnp.float32), jnp.bfloat16, what=act)
 
 
 @pytest.mark.parametrize("act", ("none", "relu"))
