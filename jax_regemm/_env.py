@@ -88,6 +88,10 @@ SWITCHES = (
            "16-bit forwards outside a derivative of act none or relu with a per-column bias (an epilogue XLA "
            "folds into its own GEMM) " + _ROUTE_DOC + ". auto: XLA's on the GPU, regemm's on the CPU. "
            "The test suite sets regemm."),
+    Switch("REGEMM_PORTABLE", "lowering", _ROUTE, "auto",
+           "Ops of a dtype whose GEMMs this machine runs on the portable kernel alone (the CPU's packed GEMM, "
+           "where oneDNN has no kernel for the dtype here: bf16 and f16 without AVX-512, f64) " + _ROUTE_DOC
+           + ". auto: XLA's (its dot ran bf16 layers 13-23x faster on an AVX2-only CPU). The test suite sets regemm."),
     Switch("REGEMM_IN_PLACE", "lowering", ON + OFF, "on",
            "The backward's dgrad calls may write gZ over the S they read (Y of the layer below, or a "
            "recomputed Z) where the fused kernel runs them: one [M, N] buffer less at the backward's peak."),

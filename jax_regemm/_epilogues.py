@@ -57,7 +57,7 @@ def _epilogue_pick(operands):
 
     def pick(platform, *args, spec):
         args = args[:operands]
-        return _route.epilogue_program(platform, args[0].dtype, *(x.shape for x in args))
+        return _route.epilogue_program(platform, args[0].dtype, *(x.shape for x in args), gemm=operands == 3)
 
     return pick
 

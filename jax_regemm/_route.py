@@ -36,12 +36,17 @@ for A/B and for the kernel tests at odd and small sizes. Measured on the H100 an
   residuals, and XLA's GEMM brought its 32 MiB cuBLAS workspace to it.
 - "dact", the backward epilogue: regemm's everywhere (on XLA, whole training steps ran
   0.98x of XLA's speed against 1.13x).
-On the CPU every class stays regemm's: oneDNN's 16-bit GEMMs are several times faster
+- "portable", a dtype this machine runs on the portable GEMM alone (the CPU's packed kernel:
+  oneDNN has no kernel for bf16 and f16 on CPUs without AVX-512, nor any for f64): XLA's dot
+  ran bf16 layers 13-23x faster on an AVX2-only EPYC (benchmarks/results/cpu_portable.md).
+  The CPU's entry is read from the extension on first use (which kernels run each dtype here).
+On the CPU every other class stays regemm's: oneDNN's 16-bit GEMMs are several times faster
 than XLA's, and f32 layers measured the same either way.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 from jax._src import core as _core
@@ -50,14 +55,26 @@ from . import _env
 from ._targets import gemm_shape
 
 _GPU_DTYPES = ("float32", "bfloat16", "float16")
+_PORTABLE_KERNELS = {"cpu_packed"}  # correct for every problem, fast for none
+# None: read from the extension on first use (_portable_dtypes).
 ON_XLA = {
     "cuda": {"gemm": _GPU_DTYPES + ("float64",), "dact": (), "unaligned": _GPU_DTYPES, "small": _GPU_DTYPES,
-             "xla_epilogue": ("bfloat16", "float16")},
-    "cpu": {"gemm": (), "dact": (), "unaligned": (), "small": (), "xla_epilogue": ()},
+             "xla_epilogue": ("bfloat16", "float16"), "portable": ()},
+    "cpu": {"gemm": (), "dact": (), "unaligned": (), "small": (), "xla_epilogue": (), "portable": None},
 }  # fmt: skip
 PLATFORMS = tuple(ON_XLA)
 SWITCH = {"gemm": "REGEMM_PLAIN_GEMM", "dact": "REGEMM_DACT", "unaligned": "REGEMM_UNALIGNED",
-          "small": "REGEMM_SMALL", "xla_epilogue": "REGEMM_XLA_EPILOGUE"}  # fmt: skip
+          "small": "REGEMM_SMALL", "xla_epilogue": "REGEMM_XLA_EPILOGUE", "portable": "REGEMM_PORTABLE"}  # fmt: skip
+
+
+@functools.cache
+def _portable_dtypes():
+    """The dtypes whose GEMMs this machine's CPU extension runs on the portable kernel alone."""
+    from . import _regemm_cpu  # loaded by then (_ffi, after oneDNN's library)
+
+    return tuple(dt for dt, names in _regemm_cpu.gemm_kernels_by_dtype().items() if set(names) <= _PORTABLE_KERNELS)
+
+
 _SMALL_ROWS, _SMALL_ELEMENTS, _NARROW = 512, 2**21, 128
 
 
@@ -66,7 +83,8 @@ def on_xla(op, platform, dtype):
     forced = _env.route(SWITCH[op])
     if forced != "auto":
         return forced == "xla"
-    return dtype.name in ON_XLA[platform][op]
+    dtypes = ON_XLA[platform][op]
+    return dtype.name in (_portable_dtypes() if dtypes is None else dtypes)
 
 
 def unaligned(platform, dtype, *row_lengths):
@@ -118,8 +136,10 @@ def fused_program(platform, cfg, a_shape, b_shape, dtype):
     """The program regemm_fused lowers to: "xla_gemm", "reference", "xla_folded" or "regemm"."""
     if cfg.alpha == 0:  # no product to compute: the reference reads none, as BLAS (docs/spec.md §2)
         return "reference"
-    if plain(cfg) and on_xla("gemm", platform, dtype):
+    if plain(cfg) and (on_xla("gemm", platform, dtype) or on_xla("portable", platform, dtype)):
         return "xla_gemm"
+    if on_xla("portable", platform, dtype):
+        return "xla_folded"
     out = gemm_shape(a_shape, b_shape, cfg.trans_a, cfg.trans_b, *([cfg.c_shape] if cfg.c_shape else []))
     rows = (a_shape[-1], b_shape[-1], out[-1]) + tuple(cfg.c_shape[-1:])  # as stored: A, B, Y and Z, C
     if unaligned(platform, dtype, *rows) or small(platform, dtype, out):
@@ -129,12 +149,12 @@ def fused_program(platform, cfg, a_shape, b_shape, dtype):
     return "regemm"
 
 
-def epilogue_program(platform, dtype, *shapes):
-    """The program a backward epilogue (regemm_dact: gY and S; regemm_dgrad_dact: A, B and S;
-    regemm_bias_grad: gZ) lowers to: "xla" (the program a user's backward
+def epilogue_program(platform, dtype, *shapes, gemm=False):
+    """The program a backward epilogue (regemm_dact: gY and S; regemm_dgrad_dact: A, B and S, with its
+    GEMM (`gemm`); regemm_bias_grad: gZ) lowers to: "xla" (the program a user's backward
     is: XLA's product in the input dtype, then the elementwise act' and the bias sum) or "regemm". gZ has
     S's rows and columns (and gY's rows, or A's)."""
-    if on_xla("dact", platform, dtype):
+    if on_xla("dact", platform, dtype) or (gemm and on_xla("portable", platform, dtype)):
         return "xla"
     if unaligned(platform, dtype, *(s[-1] for s in shapes)) or small(platform, dtype, shapes[0], shapes[-1]):
         return "xla"

@@ -50,6 +50,9 @@ os.environ.setdefault("REGEMM_SMALL", "regemm")
 # And a 16-bit forward outside a derivative whose epilogue XLA folds into its GEMM (a per-column
 # bias, relu: "xla_epilogue"); test_grads' test of that checks the default.
 os.environ.setdefault("REGEMM_XLA_EPILOGUE", "regemm")
+# And the dtypes this machine runs on the CPU's portable GEMM alone (bf16 and f16 without
+# AVX-512, f64: "portable"); test_route's test of that checks the default.
+os.environ.setdefault("REGEMM_PORTABLE", "regemm")
 
 # A plain GEMM (alpha op(A) op(B): the backward's dgrad and wgrad GEMMs) is a
 # regemm call on the CPU and XLA's own dot on the GPU (jax_regemm._route.plain):

@@ -36,3 +36,45 @@ def test_the_switch_overrides_the_table(value, want, monkeypatch):
     monkeypatch.setenv("REGEMM_SMALL", value)
     assert _route.small("cuda", BF16, (2**20, 64)) is want
     assert _route.small("cpu", BF16, (2**20, 64)) is want
+
+
+def test_portable_dtypes_are_the_cpus_packed_ones(monkeypatch):
+    """"portable" on the CPU is every dtype whose GEMMs the extension runs on its packed kernel
+    alone on this machine (f64 always: oneDNN has none; bf16 and f16 where oneDNN's need AVX-512
+    or AMX that the CPU lacks), read from the extension; on the GPU, none."""
+    from jax_regemm import _ffi
+
+    monkeypatch.delenv("REGEMM_PORTABLE", raising=False)
+    by_dtype = _ffi._regemm_cpu.gemm_kernels_by_dtype()
+    assert set(by_dtype) == {"float32", "float64", "bfloat16", "float16"}
+    assert by_dtype["float64"] == ["cpu_packed"]
+    for name, kernels in by_dtype.items():
+        assert "cpu_packed" in kernels
+        assert _route.on_xla("portable", "cpu", jnp.dtype(name)) is (kernels == ["cpu_packed"])
+        assert _route.on_xla("portable", "cuda", jnp.dtype(name)) is False
+
+
+def test_a_portable_dtype_lowers_to_xla_on_the_cpu(monkeypatch):
+    """By default an f64 layer (the packed kernel's dtype everywhere) takes its GEMMs on XLA's program
+    on the CPU, forward and backward (the backward epilogue, elementwise, keeps its vectorized call),
+    with the reference's values; REGEMM_PORTABLE=regemm keeps the GEMM calls."""
+    import jax
+    import numpy as np
+
+    import jax_regemm as rg
+    from jax_regemm import reference
+
+    with jax.enable_x64(True):
+        r = np.random.default_rng(3)
+        x, w, b = (jnp.asarray(r.standard_normal(s)) for s in ((64, 32), (32, 48), (48,)))
+        loss = lambda f: (lambda x, w, b: jnp.sum(jnp.sin(f(x, w, b))))
+        ours = lambda x, w, b: rg.dense(x, w, b, act="gelu")
+        calls = lambda: jax.jit(jax.grad(loss(ours), argnums=(0, 1, 2))).lower(x, w, b).as_text().count("regemm_gemm_")
+        monkeypatch.delenv("REGEMM_PORTABLE", raising=False)
+        assert calls() == 0
+        got = jax.jit(jax.grad(loss(ours), argnums=(0, 1, 2)))(x, w, b)
+        theirs = lambda x, w, b: reference.gemm_bias_act(x, w, b, act="gelu")
+        for g, want in zip(got, jax.grad(loss(theirs), argnums=(0, 1, 2))(x, w, b)):
+            np.testing.assert_allclose(g, want, rtol=1e-12, atol=1e-12)
+        monkeypatch.setenv("REGEMM_PORTABLE", "regemm")
+        assert calls() > 0

@@ -17,6 +17,25 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(regemm_dgrad_dact_cpu,
                               (regemm::dgrad_dact_handler<CpuRuntime, xla::ffi::ThreadPool>),
                               regemm::dgrad_dact_binding<CpuRuntime>());
 
+// Per dtype (NumPy's names), the GEMM kernels that run a plain 256x256x256
+// problem of it on this machine: oneDNN's supports() asks the instruction set
+// (its bf16 and f16 need AVX-512 or AMX), and the routing sends the dtypes
+// that only the portable packed kernel runs to XLA's dot (jax_regemm/_route.py,
+// "portable").
+nb::dict gemm_kernels_by_dtype() {
+  nb::dict d;
+  for (int t = 0; t < 4; ++t) {
+    regemm::GemmProblem p;
+    p.dtype = regemm::DType(t);
+    p.m = p.n = p.k = 256;
+    nb::list names;
+    for (const auto& e : regemm::GemmRegistry<CpuRuntime>::get().entries())
+      if (e.supports(p)) names.append(nb::str(e.name.data(), e.name.size()));
+    d[nb::str(regemm::kDTypeNames[t].data(), regemm::kDTypeNames[t].size())] = names;
+  }
+  return d;
+}
+
 NB_MODULE(_regemm_cpu, m) {
   m.def("registrations", [] {
     nb::dict d;
@@ -26,4 +45,5 @@ NB_MODULE(_regemm_cpu, m) {
     return d;
   });
   m.def("kernels", [] { return regemm::kernels_by_op<CpuRuntime>(); });
+  m.def("gemm_kernels_by_dtype", gemm_kernels_by_dtype);
 }
