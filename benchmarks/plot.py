@@ -11,6 +11,9 @@ Input: a list of records {"kind": "layer"|"mlp", "m", "k", "n", "depth" (mlp onl
 - vs_matmul_<kind>_<dtype>_<mode>.png: time / matmul_ms for jax_regemm and for
   XLA side by side (1 = the epilogue is free: as fast as the bare GEMM).
 
+Narrow MLPs (bench_narrow.py's records: "cell", "mode" step|infer, "speedup", ...) give one
+figure, narrow.png: plain / ours per cell, the step and the inference forward.
+
 Training steps (bench_train.py's records: "shape" [rows, width, layers], "dtype", "act",
 "xla_ms", "regemm_ms", "floor_ms") give one figure, train_vs_floor.png: each step's time
 over its floor (the same step with no bias and no activation), XLA's and ours.
@@ -102,6 +105,35 @@ def plot_train(records, out_dir):
     return [path]
 
 
+def plot_narrow(records, out_dir):
+    """bench_narrow.py's records: plain / ours per cell, the training step (device, wall donated) and
+    the inference forward (device), with every --ab side's step speed-up beside them."""
+    cells = list(dict.fromkeys(f"{r['cell']} {r['dtype']} {r['act']}" for r in records))
+    pick = lambda mode: {f"{r['cell']} {r['dtype']} {r['act']}": r for r in records if r["mode"] == mode}
+    step, infer = pick("step"), pick("infer")
+    sides = sorted({n for r in step.values() for n in r["device_ms"]} - {"plain", "ours"})
+    bars = [("step, device", lambda c: step[c]["speedup"] if c in step else np.nan),
+            ("step, wall donated", lambda c: step[c].get("speedup_wall_donated", np.nan) if c in step else np.nan),
+            ("inference, device", lambda c: infer[c]["speedup"] if c in infer else np.nan)]
+    bars += [(f"step, device: {n}", lambda c, n=n: step[c]["device_ms"]["plain"] / step[c]["device_ms"][n]
+              if c in step else np.nan) for n in sides]  # fmt: skip
+    x, width = np.arange(len(cells)), 0.8 / len(bars)
+    fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(cells) + 2), 4))
+    for i, (name, value) in enumerate(bars):
+        ax.bar(x + (i - (len(bars) - 1) / 2) * width, [value(c) for c in cells], width, label=name)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks(x, cells, rotation=30, ha="right")
+    ax.set_ylabel("speed-up (plain flax / jax_regemm)")
+    ax.set_title("narrow MLPs: rows x in x width x hidden x out")
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    path = out_dir / "narrow.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return [path]
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("results", type=pathlib.Path, help="benchmark JSON (a list of records)")
@@ -113,6 +145,10 @@ def main(argv=None):
     if not isinstance(records, list) or not records:
         raise SystemExit(f"{args.results}: expected a non-empty JSON list of records")
     args.out.mkdir(parents=True, exist_ok=True)
+    if "cell" in records[0]:  # bench_narrow.py's narrow MLPs
+        written = plot_narrow(records, args.out)
+        print(*written, sep="\n")
+        return written
     if "floor_ms" in records[0]:  # bench_train.py's training steps
         written = plot_train(records, args.out)
         print(*written, sep="\n")

@@ -14,6 +14,7 @@ import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -96,3 +97,21 @@ def test_plot_writes_figures(tmp_path):
     src.write_text(json.dumps({"meta": {}, "records": steps}))
     (path,) = load("benchmarks/plot.py").main([str(src), "--out", str(tmp_path / "train")])
     assert path.name == "train_vs_floor.png" and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # bench_narrow.py's JSON (the H200 run in results/): one figure of the cells
+    (path,) = load("benchmarks/plot.py").main([str(ROOT / "benchmarks/results/h200_narrow.json"), "--out", str(tmp_path / "n")])
+    assert path.name == "narrow.png" and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
+
+
+def test_neural_field_fits_the_image(tmp_path):
+    """examples/neural_field.py: a narrow MLP on a frequency encoding fits the bundled photo
+    (32x32 pixels, 200 steps on the CPU in seconds) to over 22 dB PSNR, and saves the original
+    beside the fit as one PNG of [32, 64, 3]."""
+    for name in ("flax", "optax", "sklearn", "PIL"):
+        pytest.importorskip(name)
+    from PIL import Image
+
+    out = tmp_path / "fit.png"
+    psnr, losses = load("examples/neural_field.py").main(["--size", "32", "--steps", "200", "--out", str(out)])
+    assert psnr > 22.0, psnr
+    assert losses[-1] < losses[0] / 10
+    assert np.asarray(Image.open(out)).shape == (32, 64, 3)
