@@ -27,7 +27,7 @@ for A/B and for the kernel tests at odd and small sizes. Measured on the H100 an
   fewer than _NARROW output columns, where regemm's 128-wide tiles compute mostly padding
   and its epilogue stores part-empty subtiles while XLA picks tiles that fit (narrow MLPs of
   widths 16-64 on regemm's calls: training steps at 0.34-0.79 of the plain program's speed;
-  on XLA's, 0.97-1.03; benchmarks/results/h200_narrow.md). A narrow contraction alone (a
+  on XLA's, 0.96-1.03; benchmarks/results/h200_narrow.md). A narrow contraction alone (a
   first layer on 32 features) keeps the call: routing those too ran no faster and held 1.14x
   the temporaries at 2^20 x 32 -> 128.
 - "xla_epilogue", a 16-bit forward outside a derivative whose epilogue XLA folds into its
