@@ -84,6 +84,20 @@ def plot_group(records, title, out_dir, stem):
     return written
 
 
+def _save_bars(fig, ax, x, labels, ylabel, title, path):
+    """The finish of a bar figure over labelled cells (a line at 1.0), saved to path: [path]."""
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks(x, labels, rotation=30, ha="right")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return [path]
+
+
 def plot_train(records, out_dir):
     """Step time / floor time per training step, XLA's and ours, with the 1.05 target."""
     labels = [f"{'x'.join(map(str, r['shape']))} {r['dtype']} {r['act']}" for r in records]
@@ -91,18 +105,9 @@ def plot_train(records, out_dir):
     fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(records) + 2), 4))
     for i, (who, name) in enumerate((("xla", "XLA"), ("regemm", "jax_regemm"))):
         ax.bar(x + (i - 0.5) * 0.4, [r[f"{who}_ms"] / r["floor_ms"] for r in records], 0.4, label=name)
-    ax.axhline(1.0, color="black", linewidth=0.8)
     ax.axhline(1.05, color="gray", linewidth=0.8, linestyle="--", label="target 1.05")
-    ax.set_xticks(x, labels, rotation=30, ha="right")
-    ax.set_ylabel("step time / floor time (device)")
-    ax.set_title("training steps against their floor (GEMMs, loss and AdamW only)")
-    ax.grid(axis="y", alpha=0.3)
-    ax.legend(fontsize="small")
-    fig.tight_layout()
-    path = out_dir / "train_vs_floor.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return [path]
+    return _save_bars(fig, ax, x, labels, "step time / floor time (device)",
+                      "training steps against their floor (GEMMs, loss and AdamW only)", out_dir / "train_vs_floor.png")
 
 
 def plot_narrow(records, out_dir):
@@ -121,17 +126,8 @@ def plot_narrow(records, out_dir):
     fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(cells) + 2), 4))
     for i, (name, value) in enumerate(bars):
         ax.bar(x + (i - (len(bars) - 1) / 2) * width, [value(c) for c in cells], width, label=name)
-    ax.axhline(1.0, color="black", linewidth=0.8)
-    ax.set_xticks(x, cells, rotation=30, ha="right")
-    ax.set_ylabel("speed-up (plain flax / jax_regemm)")
-    ax.set_title("narrow MLPs: rows x in x width x hidden x out")
-    ax.grid(axis="y", alpha=0.3)
-    ax.legend(fontsize="small")
-    fig.tight_layout()
-    path = out_dir / "narrow.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return [path]
+    return _save_bars(fig, ax, x, cells, "speed-up (plain flax / jax_regemm)",
+                      "narrow MLPs: rows x in x width x hidden x out", out_dir / "narrow.png")
 
 
 def main(argv=None):

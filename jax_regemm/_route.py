@@ -99,9 +99,9 @@ def small(platform, dtype, *shapes):
     """Whether an op lowers to XLA's program for being small: at most _SMALL_ROWS rows of output or
     _SMALL_ELEMENTS elements, counted over its batch dims, or narrow, fewer than _NARROW columns of
     output. shapes: the output's, or operands with the output's rows (the largest count is taken), the
-    last with its columns. A symbolic dim (jax.export's shape
-    polymorphism) leaves the size to run time: not small. Under a mesh these are the global shapes,
-    before partitioning (a device's share is smaller)."""
+    last with its columns. A symbolic dim (jax.export's shape polymorphism) leaves the size to run
+    time: not small. Under a mesh these are the global shapes, before partitioning (a device's share
+    is smaller)."""
     if not on_xla("small", platform, dtype) or not all(_core.is_constant_shape(s) for s in shapes):
         return False
     rows, cols = max(math.prod(s[:-1]) for s in shapes), shapes[-1][-1]
@@ -136,10 +136,10 @@ def fused_program(platform, cfg, a_shape, b_shape, dtype):
     """The program regemm_fused lowers to: "xla_gemm", "reference", "xla_folded" or "regemm"."""
     if cfg.alpha == 0:  # no product to compute: the reference reads none, as BLAS (docs/spec.md §2)
         return "reference"
-    if plain(cfg) and (on_xla("gemm", platform, dtype) or on_xla("portable", platform, dtype)):
-        return "xla_gemm"
-    if on_xla("portable", platform, dtype):
+    if on_xla("portable", platform, dtype):  # every op of the dtype (for a plain GEMM xla_folded is xla_gemm)
         return "xla_folded"
+    if plain(cfg) and on_xla("gemm", platform, dtype):
+        return "xla_gemm"
     out = gemm_shape(a_shape, b_shape, cfg.trans_a, cfg.trans_b, *([cfg.c_shape] if cfg.c_shape else []))
     rows = (a_shape[-1], b_shape[-1], out[-1]) + tuple(cfg.c_shape[-1:])  # as stored: A, B, Y and Z, C
     if unaligned(platform, dtype, *rows) or small(platform, dtype, out):
