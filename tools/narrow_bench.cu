@@ -1,0 +1,137 @@
+// The fused narrow-MLP kernels alone (ffi/cuda/narrow), without XLA: checked against a host
+// reference (f32 accumulation, each layer's output rounded to bf16 as the kernel stores it)
+// and timed with CUDA events. A developer's probe of the kernel before the library sees it.
+//
+//   nvcc -O3 -std=c++17 -arch=sm_90a --expt-relaxed-constexpr -Iffi tools/narrow_bench.cu -o narrow_bench
+//   ./narrow_bench [rows x in x width x hidden x out [act]] ...     (e.g. 1048576x32x64x4x16 relu)
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "cuda/narrow/narrow_mlp.cuh"
+
+using T = __nv_bfloat16;
+using namespace regemm;
+
+#define CHECK(x)                                                                          \
+  do {                                                                                    \
+    cudaError_t e_ = (x);                                                                 \
+    if (e_ != cudaSuccess) {                                                              \
+      std::printf("CUDA error %s at %s:%d\n", cudaGetErrorString(e_), __FILE__, __LINE__); \
+      std::exit(1);                                                                       \
+    }                                                                                     \
+  } while (0)
+
+static float bf(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
+
+struct Cell { int64_t m; int k0, width, hidden, out; Act act; };
+
+static bool run(const Cell& c) {
+  std::mt19937 rng(1234);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  const int layers = c.hidden + 1;
+  std::vector<int> ks(layers), ns(layers);
+  for (int l = 0; l < layers; ++l) {
+    ks[l] = l == 0 ? c.k0 : c.width;
+    ns[l] = l == layers - 1 ? c.out : c.width;
+  }
+  std::vector<float> x(c.m * c.k0);
+  for (auto& v : x) v = bf(nd(rng));
+  std::vector<std::vector<float>> w(layers), b(layers);
+  for (int l = 0; l < layers; ++l) {
+    w[l].resize(size_t(ks[l]) * ns[l]);
+    b[l].resize(ns[l]);
+    const float s = 1.f / std::sqrt(float(ks[l]));
+    for (auto& v : w[l]) v = bf(nd(rng) * s);
+    for (auto& v : b[l]) v = bf(0.1f * nd(rng));
+  }
+  auto to_dev = [](const std::vector<float>& h) {
+    std::vector<T> t(h.size());
+    for (size_t i = 0; i < h.size(); ++i) t[i] = __float2bfloat16_rn(h[i]);
+    void* d = nullptr;
+    CHECK(cudaMalloc(&d, t.size() * sizeof(T) + 16));
+    CHECK(cudaMemcpy(d, t.data(), t.size() * sizeof(T), cudaMemcpyHostToDevice));
+    return d;
+  };
+  narrow::Params p{};
+  p.m = c.m;
+  p.layers = layers;
+  p.w_transposed = false;
+  p.act_hidden = c.act;
+  p.act_out = Act::kNone;
+  p.slope = 0.01f;
+  p.x = to_dev(x);
+  CHECK(cudaMalloc(&p.y, c.m * c.out * sizeof(T) + 16));
+  for (int l = 0; l < layers; ++l) {
+    p.layer[l].k = ks[l];
+    p.layer[l].n = ns[l];
+    p.layer[l].w = to_dev(w[l]);
+    p.layer[l].b = to_dev(b[l]);
+  }
+  const int smem = narrow::plan_weights(&p, sizeof(T));
+  CHECK(narrow::launch_fwd<T>(p, c.width, nullptr));
+  CHECK(cudaDeviceSynchronize());
+  std::vector<T> yd(c.m * c.out);
+  CHECK(cudaMemcpy(yd.data(), p.y, yd.size() * sizeof(T), cudaMemcpyDeviceToHost));
+  // The reference on a sample of rows.
+  double max_err = 0, max_ref = 0;
+  const int64_t step = c.m > 4096 ? c.m / 4096 : 1;
+  for (int64_t r = 0; r < c.m; r += step) {
+    std::vector<float> h(x.begin() + r * c.k0, x.begin() + (r + 1) * c.k0);
+    for (int l = 0; l < layers; ++l) {
+      std::vector<float> o(ns[l]);
+      for (int n = 0; n < ns[l]; ++n) {
+        float acc = 0;
+        for (int k = 0; k < ks[l]; ++k) acc += h[k] * w[l][size_t(k) * ns[l] + n];
+        const float z = acc + b[l][n];
+        o[n] = bf(act_fwd<float>(l == layers - 1 ? Act::kNone : c.act, z, 0.01f));
+      }
+      h = o;
+    }
+    for (int n = 0; n < c.out; ++n) {
+      const double got = __bfloat162float(yd[r * c.out + n]);
+      max_err = std::fmax(max_err, std::fabs(got - h[n]));
+      max_ref = std::fmax(max_ref, std::fabs(h[n]));
+    }
+  }
+  cudaEvent_t e0, e1;
+  CHECK(cudaEventCreate(&e0));
+  CHECK(cudaEventCreate(&e1));
+  const int iters = 50;
+  CHECK(cudaEventRecord(e0));
+  for (int i = 0; i < iters; ++i) CHECK(narrow::launch_fwd<T>(p, c.width, nullptr));
+  CHECK(cudaEventRecord(e1));
+  CHECK(cudaEventSynchronize(e1));
+  float ms = 0;
+  CHECK(cudaEventElapsedTime(&ms, e0, e1));
+  ms /= iters;
+  double flops = 0;
+  for (int l = 0; l < layers; ++l) flops += 2.0 * c.m * ks[l] * ns[l];
+  const double bytes = double(c.m) * (c.k0 + c.out) * sizeof(T);
+  const bool ok = max_err <= 2e-2 * std::fmax(1.0, max_ref);
+  std::printf("%lldx%dx%dx%dx%d %s fwd: %.1f us, %.0f TFLOP/s, %.2f TB/s, smem %d B, max err %.3g (max |y| %.3g) %s\n",
+              (long long)c.m, c.k0, c.width, c.hidden, c.out, std::string(kActNames[int(c.act)]).c_str(), ms * 1e3,
+              flops / ms * 1e-9, bytes / ms * 1e-9, smem, max_err, max_ref, ok ? "ok" : "FAIL");
+  return ok;
+}
+
+int main(int argc, char** argv) {
+  std::vector<Cell> cells;
+  for (int i = 1; i < argc; ++i) {
+    Cell c{};
+    long long m;
+    if (std::sscanf(argv[i], "%lldx%dx%dx%dx%d", &m, &c.k0, &c.width, &c.hidden, &c.out) != 5) return 2;
+    c.m = m;
+    c.act = Act::kRelu;
+    if (i + 1 < argc && !std::isdigit(argv[i + 1][0])) parse_act(argv[++i], &c.act);
+    cells.push_back(c);
+  }
+  bool ok = true;
+  for (const Cell& c : cells) ok = run(c) && ok;
+  return ok ? 0 : 1;
+}
