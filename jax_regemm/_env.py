@@ -92,6 +92,10 @@ SWITCHES = (
            "Ops of a dtype whose GEMMs this machine runs on the portable kernel alone (the CPU's packed GEMM, "
            "where oneDNN has no kernel for the dtype here: bf16 and f16 without AVX-512, f64) " + _ROUTE_DOC
            + ". auto: XLA's (its dot ran bf16 layers 13-23x faster on an AVX2-only CPU). The test suite sets regemm."),
+    Switch("REGEMM_NARROW", "lowering", ON + OFF, "on",
+           "MLP blocks the fused narrow-MLP kernels take (bf16/f16, hidden widths 16-128, docs/spec.md §8) run "
+           "as one kernel per direction on CUDA; off: layer by layer. The test suite sets off (its per-layer "
+           "call counts); tests/test_narrow.py turns it on."),
     Switch("REGEMM_IN_PLACE", "lowering", ON + OFF, "on",
            "The backward's dgrad calls may write gZ over the S they read (Y of the layer below, or a "
            "recomputed Z) where the fused kernel runs them: one [M, N] buffer less at the backward's peak."),

@@ -31,7 +31,7 @@ except ImportError:  # pragma: no cover
     from jax._src.core import ShapedArray
 
 from . import _env, _onednn
-from ._targets import DACT, DGRAD_DACT, GEMM, TARGETS, gemm_shape
+from ._targets import CUDA_TARGETS, DACT, DGRAD_DACT, GEMM, NARROW_MLP, NARROW_MLP_BWD, TARGETS, gemm_shape
 
 _onednn.preload()  # the CPU extension links libdnnl.so.3 from the onednn-cpu-gomp wheel
 from . import _regemm_cpu  # noqa: E402
@@ -42,12 +42,16 @@ except ImportError:
     _regemm_cuda = None
 
 
-TARGET_NAMES = tuple(t.name for t in TARGETS)
+CPU_TARGET_NAMES = tuple(t.name for t in TARGETS)
+TARGET_NAMES = CPU_TARGET_NAMES + tuple(t.name for t in CUDA_TARGETS)
 
 
 def _register():
-    if set(_regemm_cpu.registrations()) != set(TARGET_NAMES):  # the names are spelled in C++ and in _targets
-        raise ImportError(f"jax_regemm: the extension exports {sorted(_regemm_cpu.registrations())}, not {TARGET_NAMES}")
+    # The names are spelled in C++ and in _targets.
+    if set(_regemm_cpu.registrations()) != set(CPU_TARGET_NAMES):
+        raise ImportError(f"jax_regemm: the CPU extension exports {sorted(_regemm_cpu.registrations())}, not {CPU_TARGET_NAMES}")
+    if _regemm_cuda is not None and set(_regemm_cuda.registrations()) != set(TARGET_NAMES):
+        raise ImportError(f"jax_regemm: the CUDA extension exports {sorted(_regemm_cuda.registrations())}, not {TARGET_NAMES}")
     for name, capsule in _regemm_cpu.registrations().items():
         jax.ffi.register_ffi_target(name, capsule, platform="cpu")
     if _regemm_cuda is not None:
@@ -131,6 +135,17 @@ def _workspace_bytes(platform, target, avals_in, attrs):
     if platform != "cuda" or _regemm_cuda is None or np.dtype(avals_in[0].dtype).name not in _WORKSPACE_DTYPES:
         return 0  # (an unsupported dtype: the handler says so, with the shapes)
     dtype = np.dtype(avals_in[0].dtype).name
+    if target == NARROW_MLP.name:
+        return 0
+    if target == NARROW_MLP_BWD.name:  # the partial sums of the resident blocks: any M
+        x, w0, w_last = avals_in[0], avals_in[1], avals_in[(len(avals_in) - 1) // 2]
+        width = w0.shape[0] if attrs["w_transposed"] else w0.shape[1]
+        n_out = w_last.shape[0] if attrs["w_transposed"] else w_last.shape[1]
+        size = _regemm_cuda.narrow_bwd_workspace_bytes(dtype, x.shape[1], width, (len(avals_in) - 1) // 2, n_out,
+                                                       attrs["act"])  # fmt: skip
+        if size < 0:
+            raise ValueError(f"jax_regemm: {target} does not run this stack (the lowering should have routed it)")
+        return size
     if target == GEMM.name:
         a, b = avals_in[:2]
         ta, tb = attrs["trans_a"], attrs["trans_b"]

@@ -53,7 +53,15 @@ DGRAD_DACT = Target(
     (("act", str), ("slope", _f64), ("from_y", bool), ("bias_kind", str), ("alpha", _f64), ("trans_a", bool),
      ("trans_b", bool), ("exact_f32", bool)),
 )  # fmt: skip
-TARGETS = (GEMM, DACT, DGRAD_DACT)
+# The fused narrow MLP (ffi/cuda/narrow/narrow_mlp.cu; CUDA only): x, every weight, every bias
+# ([0] where a layer has none), for the backward then gy; results y, or gx, every gW, every gb
+# (empty where not wanted).
+_NARROW_ATTRS = (("act", str), ("final_act", str), ("slope", _f64), ("w_transposed", bool))
+NARROW_MLP = Target("regemm_narrow_mlp_v1", ("x", "weights", "biases"), ("y",), _NARROW_ATTRS)
+NARROW_MLP_BWD = Target("regemm_narrow_mlp_bwd_v1", ("x", "weights", "biases", "gy"), ("gx", "gws", "gbs"),
+                        _NARROW_ATTRS)  # fmt: skip
+TARGETS = (GEMM, DACT, DGRAD_DACT)  # on every platform
+CUDA_TARGETS = (NARROW_MLP, NARROW_MLP_BWD)  # on CUDA alone
 
 # The sharding factors of each target's operands and results (the dims a partitioning rule
 # names; _partition): m, n and k of the GEMM, s the scalar bias's one element.

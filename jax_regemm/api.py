@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import math
 from collections.abc import Sequence
 
-from . import _backward, _ffi, _fused, _mlp_block
+from . import _backward, _ffi, _fused, _mlp_block, _narrow
 from ._args import _array, check_act, prepare
 from ._targets import gemm_shape
 
@@ -235,7 +235,12 @@ def mlp_block(x, weights, biases, *, acts, leaky_slope=0.01, save="auto", precis
         bs.append(b2)
         h = jax.ShapeDtypeStruct(h.shape[:-1] + (n,), h.dtype)
     x = _rows(_array("x", x))
-    y = _mlp_block.mlp(_mlp_block.MlpSpec(tuple(cfgs)), x, tuple(ws), tuple(bs))
+    spec = _mlp_block.MlpSpec(tuple(cfgs))
+    nspec = _narrow.chosen(spec, x, ws, save)
+    if nspec is not None:  # the whole stack in one kernel per direction (docs/spec.md §8)
+        y = _narrow.mlp(nspec, x, tuple(ws), tuple(bs))
+    else:
+        y = _mlp_block.mlp(spec, x, tuple(ws), tuple(bs))
     return jnp.reshape(y, h.shape)
 
 

@@ -53,6 +53,9 @@ os.environ.setdefault("REGEMM_XLA_EPILOGUE", "regemm")
 # And the dtypes this machine runs on the CPU's portable GEMM alone (bf16 and f16 without
 # AVX-512, f64: "portable"); test_route's test of that checks the default.
 os.environ.setdefault("REGEMM_PORTABLE", "regemm")
+# And the MLP blocks the fused narrow kernels take on CUDA (one kernel for the whole stack):
+# the suite's MLP tests count and test the per-layer calls; tests/test_narrow.py turns it on.
+os.environ.setdefault("REGEMM_NARROW", "off")
 
 # A plain GEMM (alpha op(A) op(B): the backward's dgrad and wgrad GEMMs) is a
 # regemm call on the CPU and XLA's own dot on the GPU (jax_regemm._route.plain):

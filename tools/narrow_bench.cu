@@ -3,17 +3,18 @@
 // and timed with CUDA events. A developer's probe of the kernel before the library sees it.
 //
 //   nvcc -O3 -std=c++17 -arch=sm_90a --expt-relaxed-constexpr -Iffi tools/narrow_bench.cu -o narrow_bench
-//   ./narrow_bench [rows x in x width x hidden x out [act]] ...     (e.g. 1048576x32x64x4x16 relu)
+//   [NARROW_BWD=1] ./narrow_bench [rows x in x width x hidden x out [act]] ...     (e.g. 1048576x32x64x4x16 relu)
 #include <cuda_runtime.h>
 
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <random>
 #include <string>
 #include <vector>
 
-#include "cuda/narrow/narrow_mlp.cuh"
+#include "cuda/narrow/narrow_mlp_bwd.cuh"
 
 using T = __nv_bfloat16;
 using namespace regemm;
@@ -29,7 +30,7 @@ using namespace regemm;
 
 static float bf(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
 
-struct Cell { int64_t m; int k0, width, hidden, out; Act act; };
+struct Cell { int64_t m; int k0, width, hidden, out; Act act; bool bwd; };
 
 static bool run(const Cell& c) {
   std::mt19937 rng(1234);
@@ -117,7 +118,120 @@ static bool run(const Cell& c) {
   std::printf("%lldx%dx%dx%dx%d %s fwd: %.1f us, %.0f TFLOP/s, %.2f TB/s, smem %d B, max err %.3g (max |y| %.3g) %s\n",
               (long long)c.m, c.k0, c.width, c.hidden, c.out, std::string(kActNames[int(c.act)]).c_str(), ms * 1e3,
               flops / ms * 1e-9, bytes / ms * 1e-9, smem, max_err, max_ref, ok ? "ok" : "FAIL");
-  return ok;
+  if (!c.bwd) return ok;
+  // The backward: gy random; the reference on the first `check` rows (a problem of its own).
+  const int64_t check = c.m < 2999 ? c.m : 2999;
+  std::vector<float> gy(c.m * c.out);
+  for (auto& v : gy) v = bf(nd(rng));
+  narrow::BwdParams bp{};
+  bp.gy = to_dev(gy);
+  CHECK(cudaMalloc(&bp.gx, c.m * c.k0 * sizeof(T) + 16));
+  for (int l = 0; l < layers; ++l) {
+    CHECK(cudaMalloc(&bp.gw[l], size_t(ks[l]) * ns[l] * sizeof(T)));
+    CHECK(cudaMalloc(&bp.gb[l], ns[l] * sizeof(T)));
+  }
+  const int bsmem = narrow::plan_bwd(p, c.width, sizeof(T), &bp);
+  int max_blocks = 0;
+  CHECK(narrow::bwd_max_blocks<T>(p, c.width, bp, &max_blocks));
+  CHECK(cudaMalloc(&bp.partial, size_t(max_blocks) * (bp.dw_floats + bp.db_floats) * 4));
+  narrow::Params pc = p;
+  pc.m = check;
+  narrow::BwdParams bc = bp;
+  CHECK(narrow::bwd_blocks<T>(pc, c.width, bc, &bc.blocks));
+  CHECK(narrow::launch_bwd<T>(pc, c.width, bc, nullptr));
+  CHECK(cudaDeviceSynchronize());
+  auto from_dev = [](const void* d, size_t n) {
+    std::vector<T> t(n);
+    CHECK(cudaMemcpy(t.data(), d, n * sizeof(T), cudaMemcpyDeviceToHost));
+    std::vector<float> f(n);
+    for (size_t i = 0; i < n; ++i) f[i] = __bfloat162float(t[i]);
+    return f;
+  };
+  std::vector<std::vector<double>> gw_ref(layers), gb_ref(layers);
+  for (int l = 0; l < layers; ++l) {
+    gw_ref[l].assign(size_t(ks[l]) * ns[l], 0.0);
+    gb_ref[l].assign(ns[l], 0.0);
+  }
+  std::vector<float> gx_ref(check * c.k0);
+  for (int64_t r = 0; r < check; ++r) {
+    std::vector<std::vector<float>> hs(layers), ds(layers);
+    hs[0].assign(x.begin() + r * c.k0, x.begin() + (r + 1) * c.k0);
+    std::vector<float> zo(c.out);
+    for (int l = 0; l < layers; ++l) {
+      std::vector<float> o(ns[l]), d(ns[l]);
+      for (int n = 0; n < ns[l]; ++n) {
+        float acc = 0;
+        for (int k = 0; k < ks[l]; ++k) acc += hs[l][k] * w[l][size_t(k) * ns[l] + n];
+        const float z = acc + b[l][n];
+        o[n] = bf(act_fwd<float>(c.act, z, 0.01f));
+        d[n] = bf(act_grad<float>(c.act, z, 0.01f));
+      }
+      if (l + 1 < layers) { hs[l + 1] = o; ds[l] = d; }
+    }
+    std::vector<float> gz(gy.begin() + r * c.out, gy.begin() + (r + 1) * c.out);  // act_out none
+    for (int l = layers - 1; l >= 0; --l) {
+      for (int n = 0; n < ns[l]; ++n) gb_ref[l][n] += gz[n];
+      std::vector<float> gzr(ns[l]);
+      for (int n = 0; n < ns[l]; ++n) gzr[n] = bf(gz[n]);
+      for (int k = 0; k < ks[l]; ++k)
+        for (int n = 0; n < ns[l]; ++n) gw_ref[l][size_t(k) * ns[l] + n] += double(hs[l][k]) * gzr[n];
+      std::vector<float> gh(ks[l]);
+      for (int k = 0; k < ks[l]; ++k) {
+        float acc = 0;
+        for (int n = 0; n < ns[l]; ++n) acc += gzr[n] * w[l][size_t(k) * ns[l] + n];
+        gh[k] = acc;
+      }
+      if (l == 0) {
+        for (int k = 0; k < c.k0; ++k) gx_ref[r * c.k0 + k] = gh[k];
+      } else {
+        gz.assign(ks[l], 0.f);
+        for (int k = 0; k < ks[l]; ++k) gz[k] = gh[k] * ds[l - 1][k];
+      }
+    }
+  }
+  auto compare = [](const char* what, const std::vector<float>& got, auto& ref) {
+    double err = 0, mx = 0;
+    for (size_t i = 0; i < ref.size(); ++i) {
+      err = std::fmax(err, std::fabs(got[i] - double(ref[i])));
+      mx = std::fmax(mx, std::fabs(double(ref[i])));
+    }
+    const bool ok = err <= 2e-2 * std::fmax(1e-3, mx) + 1e-6;
+    if (!ok) std::printf("  %s: max err %.3g of max %.3g FAIL\n", what, err, mx);
+    return ok;
+  };
+  bool bok = compare("gx", from_dev(bp.gx, check * c.k0), gx_ref);
+  for (int l = 0; l < layers; ++l) {
+    std::string n = "gw" + std::to_string(l), m = "gb" + std::to_string(l);
+    bok = compare(n.c_str(), from_dev(bp.gw[l], size_t(ks[l]) * ns[l]), gw_ref[l]) && bok;
+    bok = compare(m.c_str(), from_dev(bp.gb[l], ns[l]), gb_ref[l]) && bok;
+  }
+  // Deterministic: the same bits again.
+  std::vector<float> w0 = from_dev(bp.gw[0], size_t(ks[0]) * ns[0]);
+  CHECK(narrow::launch_bwd<T>(pc, c.width, bc, nullptr));
+  CHECK(cudaDeviceSynchronize());
+  std::vector<float> w1 = from_dev(bp.gw[0], size_t(ks[0]) * ns[0]);
+  const bool same = std::memcmp(w0.data(), w1.data(), w0.size() * 4) == 0;
+  CHECK(narrow::bwd_blocks<T>(p, c.width, bp, &bp.blocks));
+  CHECK(cudaEventRecord(e0));
+  for (int i = 0; i < iters; ++i) CHECK(narrow::launch_bwd<T>(p, c.width, bp, nullptr));
+  CHECK(cudaEventRecord(e1));
+  CHECK(cudaEventSynchronize(e1));
+  CHECK(cudaEventElapsedTime(&ms, e0, e1));
+  ms /= iters;
+  float ms_nw = 0;
+  if (std::getenv("NARROW_NO_WGRAD")) {  // where the time goes: the backward without dW
+    narrow::BwdParams nw = bp;
+    nw.gw[0] = nullptr;
+    CHECK(cudaEventRecord(e0));
+    for (int i = 0; i < iters; ++i) CHECK(narrow::launch_bwd<T>(p, c.width, nw, nullptr));
+    CHECK(cudaEventRecord(e1));
+    CHECK(cudaEventSynchronize(e1));
+    CHECK(cudaEventElapsedTime(&ms_nw, e0, e1));
+    std::printf("   bwd without dW: %.1f us\n", ms_nw * 1e3 / iters);
+  }
+  std::printf("   bwd: %.1f us, %.0f TFLOP/s (3x the forward's), smem %d B, %d blocks, %s%s\n", ms * 1e3,
+              3 * flops / ms * 1e-9, bsmem, bp.blocks, bok ? "ok" : "FAIL", same ? "" : " NOT DETERMINISTIC");
+  return ok && bok && same;
 }
 
 int main(int argc, char** argv) {
@@ -129,6 +243,7 @@ int main(int argc, char** argv) {
     c.m = m;
     c.act = Act::kRelu;
     if (i + 1 < argc && !std::isdigit(argv[i + 1][0])) parse_act(argv[++i], &c.act);
+    c.bwd = std::getenv("NARROW_BWD") != nullptr;
     cells.push_back(c);
   }
   bool ok = true;

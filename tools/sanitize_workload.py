@@ -3,7 +3,8 @@ compute-sanitizer (memcheck, racecheck, initcheck): tiny shapes, all dtypes,
 both SIMT tiles, every bias kind of the backward epilogue, the cuBLAS GEMMs
 (every transpose), the CUTLASS kernels on a Hopper GPU (16-byte rows: in
 "plain" mode the tuner runs every configuration, the kernels of one activation
-included), batches, rg.mlp's backward (dgrad_dact), K = 0 and M = 0.
+included), batches, rg.mlp's backward (dgrad_dact), the fused narrow MLP's
+kernels, K = 0 and M = 0.
 
     python tools/sanitize_workload.py plain    # XLA command buffers off
     python tools/sanitize_workload.py graphs   # every regemm call captured into a CUDA graph
@@ -132,6 +133,22 @@ def main():
                                                       trans_b=True, exact_f32=False))  # fmt: skip
         for out in f(a, w, s):
             assert np.all(np.isfinite(np.asarray(out, np.float32)))
+    # The fused narrow MLP (ffi/cuda/narrow; shared memory is where it can go wrong, under every
+    # tool: it has no TMA): each hidden width, bf16 and f16, ragged rows and odd K0 / N_out, a
+    # layer without bias, M = 0; forward and backward (its partial sums and their reduction).
+    narrow = ((16, 3, jnp.bfloat16, "relu", 1000, 5), (32, 2, jnp.float16, "gelu", 333, 17),
+              (64, 4, jnp.bfloat16, "silu", 700, 16), (128, 1, jnp.float16, "tanh", 129, 3),
+              (32, 2, jnp.bfloat16, "leaky_relu", 0, 8))  # fmt: skip
+    for width, hidden, dtype, act, m, n_out in narrow:
+        dims = [7] + [width] * hidden + [n_out]
+        ws = [rand((k, n), dtype) * (1 / k**0.5) for k, n in zip(dims, dims[1:])]
+        bs = [rand((n,), dtype) if i != 1 else None for i, n in enumerate(dims[1:])]
+        xn = rand((m, dims[0]), dtype)
+        loss = lambda x, ws, bs: jnp.sum(rg.mlp(x, ws, bs, act=act, final_act="sigmoid").astype(jnp.float32) ** 2)
+        hlo = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(xn, ws, bs).as_text()
+        assert "regemm_narrow_mlp_bwd_v1" in hlo and "regemm_narrow_mlp_v1" in hlo, (width, hidden)
+        for g in jax.tree.leaves(jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(xn, ws, bs)):
+            assert np.all(np.isfinite(np.asarray(g, np.float32))), (width, dtype, act)
     # K = 0 (Y = act(beta C + bias)) and M = 0 (gBias = 0).
     case(6, 5, 0, jnp.float32, "gelu", "per_col", with_c=True)
     case(0, 5, 3, jnp.float32, "gelu", "per_col")

@@ -17,6 +17,7 @@
 #include "regemm/module_util.h"
 #include "cuda/cutlass/cutlass_dgrad.h"
 #include "cuda/cutlass/cutlass_kernels.h"
+#include "cuda/narrow/narrow_ffi.h"
 #include "runtime.h"
 #include "tuner.h"
 #include "workspace.h"
@@ -41,6 +42,8 @@ NB_MODULE(_regemm_cuda, m) {
     d[regemm::kGemmTarget] = nb::capsule(reinterpret_cast<void*>(regemm_gemm_cuda));
     d[regemm::kDactTarget] = nb::capsule(reinterpret_cast<void*>(regemm_dact_cuda));
     d[regemm::kDgradDactTarget] = nb::capsule(reinterpret_cast<void*>(regemm_dgrad_dact_cuda));
+    d[regemm::narrow::kForwardTarget] = nb::capsule(regemm::narrow::forward_handler());
+    d[regemm::narrow::kBackwardTarget] = nb::capsule(regemm::narrow::backward_handler());
     return d;
   });
   // The targets whose handlers are CUDA-graph safe. XLA learns the trait from
@@ -50,6 +53,8 @@ NB_MODULE(_regemm_cuda, m) {
     names.append(regemm::kGemmTarget);
     names.append(regemm::kDactTarget);
     names.append(regemm::kDgradDactTarget);
+    names.append(regemm::narrow::kForwardTarget);
+    names.append(regemm::narrow::kBackwardTarget);
     return names;
   });
   // Workspace bytes of a call (workspace.h); dtype by its NumPy name.
@@ -118,7 +123,20 @@ NB_MODULE(_regemm_cuda, m) {
     hm.on.store(on, std::memory_order_relaxed);
     return out;
   });
-  m.def("kernels", [] { return regemm::kernels_by_op<CudaRuntime>(); });
+  m.def("kernels", [] {
+    nb::dict d = regemm::kernels_by_op<CudaRuntime>();
+    nb::list narrow;
+    narrow.append("narrow_mlp_sm80");  // the fused narrow MLP (ffi/cuda/narrow)
+    d["narrow_mlp"] = narrow;
+    return d;
+  });
+  // The fused narrow MLP's questions at lowering (narrow_ffi.h).
+  m.def("narrow_smem_bytes", &regemm::narrow::smem_bytes);
+  m.def("narrow_smem_limit", &regemm::narrow::smem_limit);
+  m.def("narrow_bwd_workspace_bytes", [](const std::string& dtype, int k0, int width, int layers, int n_out,
+                                         const std::string& act) {
+    return regemm::narrow::bwd_workspace_bytes(dtype == "float16", k0, width, layers, n_out, act);
+  });
   // The GEMM tuner (tuner.cu): {signature: "entry/variant"} chosen so far,
   // how many problems were timed, how many of its stream holds ran to their
   // limit, and forgetting the in-process winners.

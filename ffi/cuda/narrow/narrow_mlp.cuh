@@ -66,7 +66,7 @@ template <> struct Elem<__nv_bfloat16> {
   static __device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
   static __device__ __forceinline__ __nv_bfloat16 from_float(float v) { return __float2bfloat16_rn(v); }
   static __device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-    asm volatile(
+    asm(  // registers only: not volatile, so the compiler schedules it among the loads
         "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
         "{%0,%1,%2,%3};\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
@@ -82,7 +82,7 @@ template <> struct Elem<__half> {
   static __device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
   static __device__ __forceinline__ __half from_float(float v) { return __float2half_rn(v); }
   static __device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-    asm volatile(
+    asm(
         "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
         "{%0,%1,%2,%3};\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
@@ -168,19 +168,21 @@ __device__ __forceinline__ void mma_tile(float (&acc)[RT][NT][4], const uint32_t
                                          int stride, int lane) {
   static_assert(NT % 2 == 0, "n tiles go in pairs (one ldmatrix.x4)");
   // ldmatrix.x4: lane l gives row l % 8 of matrix l / 8: (n tile 2j + l/16, k half (l/8) % 2).
+  // A k tile's B fragments are all loaded before its MMAs: one load latency per k tile.
   const T* base = wt + ((lane >> 4) * 8 + (lane & 7)) * stride + ((lane >> 3) & 1) * 8;
 #pragma unroll
-  for (int j = 0; j < NT / 2; ++j)
+  for (int kt = 0; kt < KT; ++kt) {
+    uint32_t b[NT / 2][4];
 #pragma unroll
-    for (int kt = 0; kt < KT; ++kt) {
-      uint32_t b[4];
-      ldmatrix_x4(b, base + j * 16 * stride + kt * 16);
+    for (int j = 0; j < NT / 2; ++j) ldmatrix_x4(b[j], base + j * 16 * stride + kt * 16);
+#pragma unroll
+    for (int j = 0; j < NT / 2; ++j)
 #pragma unroll
       for (int r = 0; r < RT; ++r) {
-        Elem<T>::mma(acc[r][2 * j], a[r][kt], b[0], b[1]);
-        Elem<T>::mma(acc[r][2 * j + 1], a[r][kt], b[2], b[3]);
+        Elem<T>::mma(acc[r][2 * j], a[r][kt], b[j][0], b[j][1]);
+        Elem<T>::mma(acc[r][2 * j + 1], a[r][kt], b[j][2], b[j][3]);
       }
-    }
+  }
 }
 
 // acc + bias -> act, packed as the A operand of the next layer (n tile j is k tile j/2's low or

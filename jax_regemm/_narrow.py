@@ -1,0 +1,329 @@
+"""The fused narrow MLP (docs/spec.md §8): the whole stack in one kernel per direction.
+
+`mlp_block` runs a stack here when `spec_of` says the kernels take its shape: bf16 or f16,
+every hidden layer 16, 32, 64 or 128 wide with one activation, an output of at most 128,
+2-9 layers of plain x @ W + b (save="auto"). Three primitives, each with all its rules here:
+
+- `regemm_narrow_mlp`: y of the stack (ffi/cuda/narrow: each block of rows through every
+  layer on chip);
+- `regemm_narrow_mlp_bwd`: (gx, every gW, every gb) of the stack at gy; the kernel recomputes
+  the forward on chip, so nothing but x, the weights and the biases is kept for it;
+- `regemm_narrow_mlp_lin`: the JVP, linear in the tangents; its transpose is the backward.
+
+Each lowers on CUDA to its FFI target where the kernel fits (shared memory, the switch
+REGEMM_NARROW), and elsewhere (the CPU, a stack too big) to the per-layer program: the chain
+of regemm_fused calls and its fused backward (_mlp_block), so the same program runs on every
+platform. Forward mode and derivatives past the first evaluate the reference (plain JAX, f32
+accumulation, each layer rounded to the input dtype as the kernels store it). A batch (vmap)
+with shared weights folds into the rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.interpreters import ad
+
+from . import _env, _ffi, _mlp_block, reference
+from ._primitive import define, same_varying_axes
+from ._targets import NARROW_MLP, NARROW_MLP_BWD
+
+WIDTHS = (16, 32, 64, 128)  # the hidden widths the kernels are compiled for
+MAX_OUT = 128
+LAYERS = (2, 9)  # weight matrices: 1-8 hidden layers and the output layer
+DTYPES = ("bfloat16", "float16")
+
+
+@dataclasses.dataclass(frozen=True)
+class NarrowSpec:
+    mlp: _mlp_block.MlpSpec  # the per-layer description: the program where the kernel does not run
+    act: str  # every hidden layer's
+    final_act: str
+    slope: float
+    w_transposed: bool  # weights stored [N, K] (Equinox)
+    has_bias: tuple  # per layer
+    fused_backward: bool = True  # the derivative through the fused backward; else the per-layer block's
+
+    def attrs(self):
+        return dict(act=self.act, final_act=self.final_act, slope=self.slope, w_transposed=self.w_transposed)
+
+
+def spec_of(spec: _mlp_block.MlpSpec, x, weights, save) -> NarrowSpec | None:
+    """The narrow description of an MLP block (cfgs of its layers, x [M, K0]), or None where the
+    kernels do not take it."""
+    cfgs = spec.cfgs
+    if save != "auto" or np.dtype(x.dtype).name not in DTYPES or x.ndim != 2 or not LAYERS[0] <= len(cfgs) <= LAYERS[1]:
+        return None
+    plain = all(c.alpha == 1.0 and not c.c_shape and c.bias_kind in ("none", "per_col") and not c.trans_a
+                and not c.exact_f32 and c.trans_b == cfgs[0].trans_b and c.slope == cfgs[0].slope for c in cfgs)  # fmt: skip
+    hidden = cfgs[:-1]
+    widths = [w.shape[-2] if cfgs[0].trans_b else w.shape[-1] for w in weights]
+    if not plain or len({c.act for c in hidden}) != 1 or len(set(widths[:-1])) != 1:
+        return None
+    if widths[0] not in WIDTHS or not 1 <= widths[-1] <= MAX_OUT or x.shape[-1] < 1:
+        return None
+    return NarrowSpec(spec, hidden[0].act, cfgs[-1].act, cfgs[0].slope, cfgs[0].trans_b,
+                      tuple(c.bias_kind != "none" for c in cfgs))  # fmt: skip
+
+
+def chosen(spec: _mlp_block.MlpSpec, x, weights, save) -> NarrowSpec | None:
+    """The NarrowSpec where `mlp_block` runs the stack as the fused narrow MLP: the kernels take
+    its shape and the program is traced for CUDA (the default backend; lowered elsewhere too, it
+    runs there on the per-layer program). The derivative takes the fused backward where that
+    kernel fits, else the per-layer block's (which keeps its residuals in the forward)."""
+    nspec = spec_of(spec, x, weights, save)
+    if nspec is None or jax.default_backend() != "gpu" or not kernel_runs("cuda", nspec, x, weights):
+        return None
+    return dataclasses.replace(nspec, fused_backward=kernel_runs("cuda", nspec, x, weights, backward=True))
+
+
+def _split(nspec, args):
+    """(x, weights, biases with None where absent, rest) of a primitive's operands."""
+    n = len(nspec.has_bias)
+    x, ws, rest = args[0], list(args[1 : 1 + n]), list(args[1 + n :])
+    bs = [rest.pop(0) if has else None for has in nspec.has_bias]
+    return x, ws, bs, rest
+
+
+def _layers(nspec, x, ws, bs):
+    """h_L on the reference: f32 accumulation, each layer rounded to x's dtype."""
+    h = x
+    for cfg, w, b in zip(nspec.mlp.cfgs, ws, bs):
+        h = reference.gemm_bias_act(h, w, b, act=cfg.act, leaky_slope=cfg.slope, trans_b=nspec.w_transposed,
+                                    bias_kind="per_col")  # fmt: skip
+    return h
+
+
+# --- the forward ----------------------------------------------------------------------------
+
+
+def _fwd_ref(*args, nspec):
+    x, ws, bs, _ = _split(nspec, args)
+    return [_layers(nspec, x, ws, bs)]
+
+
+def _fwd_layers(*args, nspec):  # the per-layer program
+    x, ws, bs, _ = _split(nspec, args)
+    return [_mlp_block.mlp(nspec.mlp, x, tuple(ws), tuple(bs))]
+
+
+def _operands(nspec, x, ws, bs):
+    """The FFI operands: x, every weight, every bias ([0] where a layer has none)."""
+    return [x, *ws, *(b if b is not None else jnp.zeros((0,), x.dtype) for b in bs)]
+
+
+def _fwd_kernel(*args, nspec):
+    x, ws, bs, _ = _split(nspec, args)
+    n_out = ws[-1].shape[-2] if nspec.w_transposed else ws[-1].shape[-1]
+    (y,) = _ffi._call(NARROW_MLP, (jax.ShapeDtypeStruct((x.shape[0], n_out), x.dtype),),
+                      *_operands(nspec, x, ws, bs), **nspec.attrs())  # fmt: skip
+    return [y]
+
+
+def _dims(nspec, x, ws):
+    width = ws[0].shape[-2] if nspec.w_transposed else ws[0].shape[-1]
+    n_out = ws[-1].shape[-2] if nspec.w_transposed else ws[-1].shape[-1]
+    return int(x.shape[-1]), int(width), len(ws), int(n_out)
+
+
+def kernel_runs(platform, nspec, x, ws, backward=False):
+    """Whether a call lowers to the kernel: on CUDA, where it fits (shared memory, and for the
+    backward a workspace), the switch on, the rows static."""
+    cuda = _ffi._regemm_cuda
+    if platform != "cuda" or cuda is None or not _env.flag("REGEMM_NARROW"):
+        return False
+    if not all(isinstance(d, (int, np.integer)) for d in x.shape):
+        return False  # (symbolic rows: the workspace is sized from the device's resident blocks, any M)
+    k0, width, layers, n_out = _dims(nspec, x, ws)
+    need = cuda.narrow_smem_bytes(k0, width, layers, n_out, backward)
+    if need < 0 or need > cuda.narrow_smem_limit():
+        return False
+    if backward:
+        return cuda.narrow_bwd_workspace_bytes(np.dtype(x.dtype).name, k0, width, layers, n_out, nspec.act) >= 0
+    return True
+
+
+def _fwd_pick(platform, *args, nspec):
+    x, ws, _, _ = _split(nspec, args)
+    return "kernel" if kernel_runs(platform, nspec, x, ws) else "layers"
+
+
+def _fold_batch(p, n_row_operands_of):
+    """The batching rule of a primitive whose row operands (x, gy, dx: `n_row_operands_of` says
+    which) carry the batch, its weights shared: the batch folds into the rows. Else (a batch of
+    weights, or the backward asked for weight or bias gradients, which are per example under
+    vmap and would sum over a folded batch) the reference, vmapped."""
+
+    def batch(args, dims, *, nspec, **params):
+        rows = n_row_operands_of(nspec, len(args))
+        per_example = any(params.get("want_w", ())) or any(params.get("want_b", ()))  # (sums over rows: no fold)
+        if per_example or any(d is not None for d, r in zip(dims, rows) if not r):
+            ref = partial(p.ref, nspec=nspec, **params)
+            outs = jax.vmap(ref, in_axes=tuple(dims))(*args)
+            return outs, [0] * len(outs)
+        size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+        flat = []
+        for a, d, r in zip(args, dims, rows):
+            if r:
+                a = jnp.broadcast_to(a, (size,) + a.shape) if d is None else jnp.moveaxis(a, d, 0)
+                a = a.reshape((size * a.shape[1],) + a.shape[2:])
+            flat.append(a)
+        outs = p.bind(*flat, nspec=nspec, **params)
+        out_rows = p.out_rows(nspec, **params)
+        return [o.reshape((size, o.shape[0] // size) + o.shape[1:]) if r else o for o, r in zip(outs, out_rows)], [
+            0 if r else None for r in out_rows]  # fmt: skip
+
+    return batch
+
+
+def _rows_fwd(nspec, n):
+    return [True] + [False] * (n - 1)
+
+
+_fwd_p = define("regemm_narrow_mlp", _fwd_ref, programs={"kernel": _fwd_kernel, "layers": _fwd_layers},
+                pick=_fwd_pick, batch=None)  # fmt: skip
+_fwd_p.ref, _fwd_p.out_rows = _fwd_ref, lambda nspec: [True]
+
+
+# --- the backward ---------------------------------------------------------------------------
+
+
+def _bwd_results(nspec, x, ws, want_x, want_w, want_b):
+    """The cotangents the backward returns: gx, then every wanted gW, then every wanted gb."""
+    out = [x] if want_x else []
+    out += [w for w, want in zip(ws, want_w) if want]
+    out += [jax.ShapeDtypeStruct(w.shape[-2:-1] if nspec.w_transposed else w.shape[-1:], w.dtype)
+            for w, has, want in zip(ws, nspec.has_bias, want_b) if has and want]  # fmt: skip
+    return out
+
+
+def _bwd_ref(*args, nspec, want_x, want_w, want_b):
+    x, ws, bs, (gy,) = _split(nspec, args)
+    _, vjp = jax.vjp(lambda x, ws, bs: _layers(nspec, x, ws, bs), x, ws, bs)
+    gx, gws, gbs = vjp(gy)
+    return _pick_wanted(nspec, gx, gws, gbs, want_x, want_w, want_b)
+
+
+def _pick_wanted(nspec, gx, gws, gbs, want_x, want_w, want_b):
+    out = [gx] if want_x else []
+    out += [g for g, want in zip(gws, want_w) if want]
+    out += [g for g, has, want in zip(gbs, nspec.has_bias, want_b) if has and want]
+    return out
+
+
+def _bwd_layers(*args, nspec, want_x, want_w, want_b):  # the per-layer backward (it recomputes the forward)
+    x, ws, bs, (gy,) = _split(nspec, args)
+    _, vjp = jax.vjp(lambda x, ws, bs: _mlp_block.mlp(nspec.mlp, x, tuple(ws), tuple(bs)), x, ws, bs)
+    gx, gws, gbs = vjp(gy)
+    return _pick_wanted(nspec, gx, gws, gbs, want_x, want_w, want_b)
+
+
+def _bwd_kernel(*args, nspec, want_x, want_w, want_b):
+    x, ws, bs, (gy,) = _split(nspec, args)
+    any_w = any(want_w)
+    empty = lambda *shape: jax.ShapeDtypeStruct(shape, x.dtype)
+    results = [jax.ShapeDtypeStruct(x.shape, x.dtype) if want_x else empty(0, 0)]
+    results += [jax.ShapeDtypeStruct(w.shape, w.dtype) if any_w else empty(0, 0) for w in ws]
+    results += [jax.ShapeDtypeStruct(b.shape, b.dtype) if b is not None and want else empty(0) for b, want in zip(bs, want_b)]
+    outs = _ffi._call(NARROW_MLP_BWD, results, *_operands(nspec, x, ws, bs), gy, **nspec.attrs())
+    n = len(ws)
+    gx, gws, gbs = outs[0], outs[1 : 1 + n], outs[1 + n :]
+    return _pick_wanted(nspec, gx, gws, gbs, want_x, want_w, want_b)
+
+
+def _bwd_pick(platform, *args, nspec, want_x, want_w, want_b):
+    x, ws, _, _ = _split(nspec, args)
+    return "kernel" if kernel_runs(platform, nspec, x, ws, backward=True) else "layers"
+
+
+def _bwd_out_rows(nspec, want_x, want_w, want_b):
+    return [True] * want_x + [False] * (sum(want_w) + sum(h and w for h, w in zip(nspec.has_bias, want_b)))
+
+
+_bwd_p = define("regemm_narrow_mlp_bwd", _bwd_ref, programs={"kernel": _bwd_kernel, "layers": _bwd_layers},
+                pick=_bwd_pick, batch=None)  # fmt: skip
+_bwd_p.ref, _bwd_p.out_rows = _bwd_ref, _bwd_out_rows
+
+
+def _rows_bwd(nspec, n):
+    return [True] + [False] * (n - 2) + [True]  # x, weights and biases, gy
+
+
+# --- the JVP and its transpose --------------------------------------------------------------
+
+
+def _lin_split(nspec, args):
+    """(x, weights, biases, dx, dweights, dbiases) of regemm_narrow_mlp_lin's operands."""
+    n_primal = 1 + len(nspec.has_bias) + sum(nspec.has_bias)
+    x, ws, bs, _ = _split(nspec, args[:n_primal])
+    dx, dws, dbs, _ = _split(nspec, args[n_primal:])
+    return x, ws, bs, dx, dws, dbs
+
+
+def _lin_ref(*args, nspec):
+    x, ws, bs, dx, dws, dbs = _lin_split(nspec, args)
+    _, dy = jax.jvp(lambda x, ws, bs: _layers(nspec, x, ws, bs), (x, ws, bs), (dx, dws, dbs))
+    return [dy]
+
+
+def _lin_transpose(cts, *args, nspec):
+    (g,) = cts
+    x, ws, bs, dx, dws, dbs = _lin_split(nspec, args)
+    undefined = lambda t: t is not None and ad.is_undefined_primal(t)
+    n_primal = 1 + len(ws) + sum(nspec.has_bias)
+    if type(g) is ad.Zero or not any(undefined(t) for t in args[n_primal:]):
+        return [None] * len(args)
+    g = ad.instantiate_zeros(g)
+    want_x = undefined(dx)
+    want_w = tuple(undefined(t) for t in dws)
+    want_b = tuple(undefined(t) for t in dbs)
+    outs = list(_bwd_p.bind(*same_varying_axes(_operands_present(x, ws, bs) + [g]), nspec=nspec, want_x=want_x,
+                            want_w=want_w, want_b=want_b))  # fmt: skip
+    gx = outs.pop(0) if want_x else None
+    gws = [outs.pop(0) if want else None for want in want_w]
+    gbs = [outs.pop(0) if has and want else None for has, want in zip(nspec.has_bias, want_b)]
+    return [None] * n_primal + [gx] + gws + [gb for gb, has in zip(gbs, nspec.has_bias) if has]
+
+
+def _operands_present(x, ws, bs):
+    return [x, *ws, *(b for b in bs if b is not None)]
+
+
+def _rows_lin(nspec, n):
+    n_primal = 1 + len(nspec.has_bias) + sum(nspec.has_bias)
+    return [True] + [False] * (n_primal - 1) + [True] + [False] * (n - n_primal - 1)
+
+
+_lin_p = define("regemm_narrow_mlp_lin", _lin_ref, transpose=_lin_transpose, batch=None)
+_lin_p.ref, _lin_p.out_rows = _lin_ref, lambda nspec: [True]
+
+from jax.interpreters import batching  # noqa: E402
+
+for _p, _rows in ((_fwd_p, _rows_fwd), (_bwd_p, _rows_bwd), (_lin_p, _rows_lin)):
+    batching.primitive_batchers[_p] = _fold_batch(_p, _rows)
+
+
+# --- the op ---------------------------------------------------------------------------------
+
+
+@partial(jax.custom_jvp, nondiff_argnums=(0,))
+def mlp(nspec: NarrowSpec, x, weights, biases):
+    """h_L of the stack (x [M, K0]; weights a tuple; biases a tuple with None where absent)."""
+    return _fwd_p.bind(*same_varying_axes(_operands_present(x, weights, biases)), nspec=nspec)[0]
+
+
+@mlp.defjvp
+def _mlp_jvp(nspec, primals, tangents):
+    x, ws, bs = primals
+    dx, dws, dbs = tangents
+    if not nspec.fused_backward:
+        return jax.jvp(partial(_mlp_block.mlp, nspec.mlp), (x, ws, bs), (dx, dws, dbs))
+    y = mlp(nspec, x, ws, bs)
+    primal_args = _operands_present(x, ws, bs)
+    tangent_args = _operands_present(dx, dws, [t if b is not None else None for t, b in zip(dbs, bs)])
+    (dy,) = _lin_p.bind(*same_varying_axes(primal_args + tangent_args), nspec=nspec)
+    return y, dy
