@@ -92,10 +92,12 @@ SWITCHES = (
            "Ops of a dtype whose GEMMs this machine runs on the portable kernel alone (the CPU's packed GEMM, "
            "where oneDNN has no kernel for the dtype here: bf16 and f16 without AVX-512, f64) " + _ROUTE_DOC
            + ". auto: XLA's (its dot ran bf16 layers 13-23x faster on an AVX2-only CPU). The test suite sets regemm."),
-    Switch("REGEMM_NARROW", "lowering", ON + OFF, "on",
-           "MLP blocks the fused narrow-MLP kernels take (bf16/f16, hidden widths 16-128, docs/spec.md §8) run "
-           "as one kernel per direction on CUDA; off: layer by layer. The test suite sets off (its per-layer "
-           "call counts); tests/test_narrow.py turns it on."),
+    Switch("REGEMM_NARROW", "lowering", _TRISTATE, "auto",
+           "MLP blocks the fused narrow-MLP kernels take (bf16/f16, hidden widths 16-128, docs/spec.md §8) on "
+           "CUDA: auto, the whole stack in one kernel outside a derivative, and its derivative through the fused "
+           "backward where that is the faster (jax_regemm/_narrow.py, `fused_backward_wins`), else layer by layer; "
+           "on, both kernels wherever they fit; off, layer by layer. The test suite sets off (its per-layer call "
+           "counts); tests/test_narrow.py sets on."),
     Switch("REGEMM_IN_PLACE", "lowering", ON + OFF, "on",
            "The backward's dgrad calls may write gZ over the S they read (Y of the layer below, or a "
            "recomputed Z) where the fused kernel runs them: one [M, N] buffer less at the backward's peak."),
@@ -187,6 +189,13 @@ def route(name: str) -> str:
     """A routing switch's value: "auto", "xla" or "regemm"."""
     assert _BY_NAME[name].values == _ROUTE
     return _value(name) or "auto"
+
+
+def choice(name: str) -> str:
+    """An auto/on/off switch read in Python: its value, or its default."""
+    s = _BY_NAME[name]
+    assert s.values == _TRISTATE and s.read == "lowering"
+    return _value(name) or s.default
 
 
 def flag(name: str) -> bool:

@@ -78,7 +78,19 @@ def chosen(spec: _mlp_block.MlpSpec, x, weights, save) -> NarrowSpec | None:
     nspec = spec_of(spec, x, weights, save)
     if nspec is None or jax.default_backend() != "gpu" or not kernel_runs("cuda", nspec, x, weights):
         return None
-    return dataclasses.replace(nspec, fused_backward=kernel_runs("cuda", nspec, x, weights, backward=True))
+    fused = kernel_runs("cuda", nspec, x, weights, backward=True)
+    if _env.choice("REGEMM_NARROW") == "auto":
+        fused = fused and fused_backward_wins(nspec, x)
+    return dataclasses.replace(nspec, fused_backward=fused)
+
+
+def fused_backward_wins(nspec, x) -> bool:
+    """Whether a training step of this stack is faster with the fused backward than through the
+    per-layer block (its forward keeping the residuals, XLA's GEMMs in its backward at these
+    widths). Not yet anywhere measured (benchmarks/results/h200_narrow.md): at 2^20 x 64 x 4
+    hidden the fused backward took 1.57 ms, the whole per-layer step 1.40 ms."""
+    del nspec, x
+    return False
 
 
 def _split(nspec, args):
@@ -132,9 +144,9 @@ def _dims(nspec, x, ws):
 
 def kernel_runs(platform, nspec, x, ws, backward=False):
     """Whether a call lowers to the kernel: on CUDA, where it fits (shared memory, and for the
-    backward a workspace), the switch on, the rows static."""
+    backward a workspace), the switch not off, the rows static."""
     cuda = _ffi._regemm_cuda
-    if platform != "cuda" or cuda is None or not _env.flag("REGEMM_NARROW"):
+    if platform != "cuda" or cuda is None or _env.choice("REGEMM_NARROW") == "off":
         return False
     if not all(isinstance(d, (int, np.integer)) for d in x.shape):
         return False  # (symbolic rows: the workspace is sized from the device's resident blocks, any M)

@@ -275,3 +275,18 @@ def test_derivative_per_layer_where_the_fused_backward_does_not_fit(narrow, rand
     assert primitives(f, x, ws, bs) == (1, 0)
     assert primitives(jax.grad(loss_of(f)), x, ws, bs) == (0, 0)
     check(x, ws, bs, "gelu", "none")
+
+
+@gpu_only
+def test_auto_fuses_the_forward_and_the_backward_where_it_wins(narrow, rand, monkeypatch):
+    monkeypatch.setenv("REGEMM_NARROW", "auto")
+    chosen, specs = _narrow.chosen, []
+    monkeypatch.setattr(_narrow, "chosen", lambda *a: specs.append(chosen(*a)) or specs[-1])
+    ws, bs = block(rand, [32, 64, 64, 64, 16], jnp.bfloat16)
+    x = rand.normal((4096, 32), jnp.bfloat16)
+    f = lambda x, ws, bs: rg.mlp(x, ws, bs, act="relu")
+    assert calls(f, x, ws, bs) == (1, 0)
+    n = calls(jax.grad(loss_of(f), argnums=(0, 1, 2)), x, ws, bs)
+    wins = _narrow.fused_backward_wins(specs[-1], x)
+    assert specs[-1].fused_backward == wins and n == ((1, 1) if wins else (0, 0))
+    check(x, ws, bs, "relu", "none")
