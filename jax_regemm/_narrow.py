@@ -46,6 +46,7 @@ class NarrowSpec:
     slope: float
     w_transposed: bool  # weights stored [N, K] (Equinox)
     has_bias: tuple  # per layer
+    width: int  # every hidden layer's
     fused_backward: bool = True  # the derivative through the fused backward; else the per-layer block's
 
     def attrs(self):
@@ -67,30 +68,41 @@ def spec_of(spec: _mlp_block.MlpSpec, x, weights, save) -> NarrowSpec | None:
     if widths[0] not in WIDTHS or not 1 <= widths[-1] <= MAX_OUT or x.shape[-1] < 1:
         return None
     return NarrowSpec(spec, hidden[0].act, cfgs[-1].act, cfgs[0].slope, cfgs[0].trans_b,
-                      tuple(c.bias_kind != "none" for c in cfgs))  # fmt: skip
+                      tuple(c.bias_kind != "none" for c in cfgs), widths[0])  # fmt: skip
 
 
 def chosen(spec: _mlp_block.MlpSpec, x, weights, save) -> NarrowSpec | None:
     """The NarrowSpec where `mlp_block` runs the stack as the fused narrow MLP: the kernels take
-    its shape and the program is traced for CUDA (the default backend; lowered elsewhere too, it
-    runs there on the per-layer program). The derivative takes the fused backward where that
-    kernel fits, else the per-layer block's (which keeps its residuals in the forward)."""
+    its shape, the program is traced for CUDA (the default backend; lowered elsewhere too, it runs
+    there on the per-layer program) and, under REGEMM_NARROW=auto, the fused forward is the
+    faster. Its derivative takes the fused backward where that kernel fits and (auto) wins, else
+    the per-layer block's (whose forward keeps the residuals)."""
     nspec = spec_of(spec, x, weights, save)
     if nspec is None or jax.default_backend() != "gpu" or not kernel_runs("cuda", nspec, x, weights):
         return None
-    fused = kernel_runs("cuda", nspec, x, weights, backward=True)
-    if _env.choice("REGEMM_NARROW") == "auto":
-        fused = fused and fused_backward_wins(nspec, x)
+    auto = _env.choice("REGEMM_NARROW") == "auto"
+    if auto and not fused_forward_wins(nspec, x):
+        return None
+    fused = kernel_runs("cuda", nspec, x, weights, backward=True) and (not auto or fused_backward_wins(nspec, x))
     return dataclasses.replace(nspec, fused_backward=fused)
 
 
+def fused_forward_wins(nspec, x) -> bool:
+    """Whether the fused forward beats the per-layer program (XLA's GEMMs at these widths), as
+    measured on an H200 (bf16 relu, benchmarks/results/h200_narrow.md; plain / fused device
+    time): 2^18-2^20 rows at widths 16-64 1.47-2.14x; 2^16 rows 0.66x (64 wide) and 0.35x (128
+    wide: a fixed cost of ~30 us per call, and 16-row tiles too few to fill the machine); width
+    128 0.76x (2^18 x 6 hidden) and 1.08x (2^20 x 4)."""
+    return nspec.width <= 64 and x.shape[0] >= 2**18
+
+
 def fused_backward_wins(nspec, x) -> bool:
-    """Whether a training step of this stack is faster with the fused backward than through the
-    per-layer block (its forward keeping the residuals, XLA's GEMMs in its backward at these
-    widths). Not yet anywhere measured (benchmarks/results/h200_narrow.md): at 2^20 x 64 x 4
-    hidden the fused backward took 1.57 ms, the whole per-layer step 1.40 ms."""
-    del nspec, x
-    return False
+    """Whether a training step is faster with the fused backward than through the per-layer
+    block, as measured on an H200 (bf16 relu Adam steps, plain / ours device time): 2^20 rows
+    1.21x at 32 wide x 3 hidden, 1.08x at 16 x 4; 0.75x at 64 x 4 (2^18 and 2^20 rows) and 0.63x
+    at 2^16 rows: its one block of 4 warps per SM (the shared memory of the weight-gradient sums)
+    is latency-bound."""
+    return nspec.width <= 32 and x.shape[0] >= 2**20
 
 
 def _split(nspec, args):

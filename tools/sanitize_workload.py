@@ -50,6 +50,10 @@ os.environ.setdefault("REGEMM_PLAIN_GEMM", "regemm")
 os.environ.setdefault("REGEMM_UNALIGNED", "regemm")
 # And its small sizes on the kernels, not XLA's own program.
 os.environ.setdefault("REGEMM_SMALL", "regemm")
+# And the fused narrow MLP wherever it fits, not only where it is the faster.
+os.environ.setdefault("REGEMM_NARROW", "on")
+# "narrow" as a third argument: the narrow MLP's part alone (a developer's quick check).
+ONLY_NARROW = len(sys.argv) > 3 and sys.argv[3] == "narrow"
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -86,7 +90,31 @@ def case(m, n, k, dtype, act, kind, trans_a=False, trans_b=False, with_c=False, 
         assert np.all(np.isfinite(np.asarray(x, np.float32))), (m, n, k, dtype, act, kind)
 
 
+def narrow_mlp():
+    # The fused narrow MLP (ffi/cuda/narrow; shared memory is where it can go wrong, under every
+    # tool: it has no TMA): each hidden width, bf16 and f16, ragged rows and odd K0 / N_out, a
+    # layer without bias, M = 0; forward and backward (its partial sums and their reduction).
+    narrow = ((16, 3, jnp.bfloat16, "relu", 1000, 5), (32, 2, jnp.float16, "gelu", 333, 17),
+              (64, 4, jnp.bfloat16, "silu", 700, 16), (128, 1, jnp.float16, "tanh", 129, 3),
+              (32, 2, jnp.bfloat16, "leaky_relu", 0, 8))  # fmt: skip
+    for width, hidden, dtype, act, m, n_out in narrow:
+        dims = [7] + [width] * hidden + [n_out]
+        ws = [rand((k, n), dtype) * (1 / k**0.5) for k, n in zip(dims, dims[1:])]
+        bs = [rand((n,), dtype) if i != 1 else None for i, n in enumerate(dims[1:])]
+        xn = rand((m, dims[0]), dtype)
+        loss = lambda x, ws, bs: jnp.sum(rg.mlp(x, ws, bs, act=act, final_act="sigmoid").astype(jnp.float32) ** 2)
+        hlo = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(xn, ws, bs).as_text()
+        assert "regemm_narrow_mlp_bwd_v1" in hlo and "regemm_narrow_mlp_v1" in hlo, (width, hidden)
+        for g in jax.tree.leaves(jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(xn, ws, bs)):
+            assert np.all(np.isfinite(np.asarray(g, np.float32))), (width, dtype, act)
+
+
 def main():
+    if ONLY_NARROW:
+        narrow_mlp()
+        jax.effects_barrier()
+        print(f"workload ok ({MODE}, the narrow MLP alone)")
+        return
     # SIMT forward (small tile), backward epilogue per kind, cuBLAS dgrad/wgrad per transpose.
     for i, (dtype, kind) in enumerate(
         [(jnp.float32, "per_col"), (jnp.bfloat16, "per_row"), (jnp.float16, "scalar"), (jnp.float32, "none")]
@@ -133,22 +161,7 @@ def main():
                                                       trans_b=True, exact_f32=False))  # fmt: skip
         for out in f(a, w, s):
             assert np.all(np.isfinite(np.asarray(out, np.float32)))
-    # The fused narrow MLP (ffi/cuda/narrow; shared memory is where it can go wrong, under every
-    # tool: it has no TMA): each hidden width, bf16 and f16, ragged rows and odd K0 / N_out, a
-    # layer without bias, M = 0; forward and backward (its partial sums and their reduction).
-    narrow = ((16, 3, jnp.bfloat16, "relu", 1000, 5), (32, 2, jnp.float16, "gelu", 333, 17),
-              (64, 4, jnp.bfloat16, "silu", 700, 16), (128, 1, jnp.float16, "tanh", 129, 3),
-              (32, 2, jnp.bfloat16, "leaky_relu", 0, 8))  # fmt: skip
-    for width, hidden, dtype, act, m, n_out in narrow:
-        dims = [7] + [width] * hidden + [n_out]
-        ws = [rand((k, n), dtype) * (1 / k**0.5) for k, n in zip(dims, dims[1:])]
-        bs = [rand((n,), dtype) if i != 1 else None for i, n in enumerate(dims[1:])]
-        xn = rand((m, dims[0]), dtype)
-        loss = lambda x, ws, bs: jnp.sum(rg.mlp(x, ws, bs, act=act, final_act="sigmoid").astype(jnp.float32) ** 2)
-        hlo = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(xn, ws, bs).as_text()
-        assert "regemm_narrow_mlp_bwd_v1" in hlo and "regemm_narrow_mlp_v1" in hlo, (width, hidden)
-        for g in jax.tree.leaves(jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(xn, ws, bs)):
-            assert np.all(np.isfinite(np.asarray(g, np.float32))), (width, dtype, act)
+    narrow_mlp()
     # K = 0 (Y = act(beta C + bias)) and M = 0 (gBias = 0).
     case(6, 5, 0, jnp.float32, "gelu", "per_col", with_c=True)
     case(0, 5, 3, jnp.float32, "gelu", "per_col")
