@@ -278,15 +278,18 @@ def test_derivative_per_layer_where_the_fused_backward_does_not_fit(narrow, rand
 
 
 @gpu_only
-def test_auto_fuses_the_forward_and_the_backward_where_it_wins(narrow, rand, monkeypatch):
+@pytest.mark.parametrize("rows,width,hidden", [(4096, 64, 3), (2**18, 64, 4), (2**20, 32, 3), (2**20, 128, 1)])
+def test_auto_fuses_each_direction_where_it_wins(narrow, monkeypatch, rows, width, hidden):
+    """REGEMM_NARROW=auto (the default): the forward kernel where `fused_forward_wins`, the fused
+    backward where besides `fused_backward_wins` (lowered, not run)."""
     monkeypatch.setenv("REGEMM_NARROW", "auto")
-    chosen, specs = _narrow.chosen, []
-    monkeypatch.setattr(_narrow, "chosen", lambda *a: specs.append(chosen(*a)) or specs[-1])
-    ws, bs = block(rand, [32, 64, 64, 64, 16], jnp.bfloat16)
-    x = rand.normal((4096, 32), jnp.bfloat16)
-    f = lambda x, ws, bs: rg.mlp(x, ws, bs, act="relu")
-    assert calls(f, x, ws, bs) == (1, 0)
-    n = calls(jax.grad(loss_of(f), argnums=(0, 1, 2)), x, ws, bs)
-    wins = _narrow.fused_backward_wins(specs[-1], x)
-    assert specs[-1].fused_backward == wins and n == ((1, 1) if wins else (0, 0))
-    check(x, ws, bs, "relu", "none")
+    ws = [jnp.zeros((k, n), jnp.bfloat16) for k, n in zip([32] + [width] * hidden, [width] * hidden + [16])]
+    x = jax.ShapeDtypeStruct((rows, 32), jnp.bfloat16)
+    f = lambda x, ws: rg.mlp(x, ws, act="relu")
+    fwd = calls(f, x, ws)[0]
+    n = calls(jax.grad(lambda x, ws: jnp.sum(f(x, ws).astype(jnp.float32)), argnums=(0, 1)), x, ws)
+    spec = _narrow.NarrowSpec(None, "relu", "none", 0.01, False, (False,) * (hidden + 1), width)
+    xs = jnp.zeros((rows, 1), jnp.bfloat16)
+    want_fwd = _narrow.fused_forward_wins(spec, xs)
+    want_bwd = want_fwd and _narrow.fused_backward_wins(spec, xs)
+    assert fwd == int(want_fwd) and n == ((1, 1) if want_bwd else (0, 0)), (fwd, n)
