@@ -28,8 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.interpreters import ad
 
-from . import _env, _ffi, _mlp_block, reference
-from ._primitive import define, same_varying_axes
+from . import _env, _ffi, _mlp_block, _partition, reference
+from ._primitive import define, explicit, same_varying_axes
 from ._targets import NARROW_MLP, NARROW_MLP_BWD
 
 WIDTHS = (16, 32, 64, 128)  # the hidden widths the kernels are compiled for
@@ -80,6 +80,8 @@ def chosen(spec: _mlp_block.MlpSpec, x, weights, save) -> NarrowSpec | None:
     nspec = spec_of(spec, x, weights, save)
     if nspec is None or jax.default_backend() != "gpu" or not kernel_runs("cuda", nspec, x, weights):
         return None
+    if any(explicit(getattr(a, "aval", a)) is not None and any(explicit(getattr(a, "aval", a)).spec) for a in [x, *weights]):
+        return None  # (shardings in types, Explicit axes: the per-layer block types every result as jnp's)
     auto = _env.choice("REGEMM_NARROW") == "auto"
     if auto and not fused_forward_wins(nspec, x):
         return None
@@ -140,11 +142,20 @@ def _operands(nspec, x, ws, bs):
     return [x, *ws, *(b if b is not None else jnp.zeros((0,), x.dtype) for b in bs)]
 
 
+def _n_out(nspec, ws):
+    return ws[-1].shape[-2] if nspec.w_transposed else ws[-1].shape[-1]
+
+
+def _fwd_call(nspec, x, *rest):  # the call on one device's rows (_partition.rows)
+    n_out = _n_out(nspec, rest[: len(nspec.has_bias)])
+    return _ffi._call(NARROW_MLP, (jax.ShapeDtypeStruct((x.shape[0], n_out), x.dtype),), x, *rest, **nspec.attrs())
+
+
 def _fwd_kernel(*args, nspec):
     x, ws, bs, _ = _split(nspec, args)
-    n_out = ws[-1].shape[-2] if nspec.w_transposed else ws[-1].shape[-1]
-    (y,) = _ffi._call(NARROW_MLP, (jax.ShapeDtypeStruct((x.shape[0], n_out), x.dtype),),
-                      *_operands(nspec, x, ws, bs), **nspec.attrs())  # fmt: skip
+    ops = _operands(nspec, x, ws, bs)
+    (y,) = _partition.rows(_fwd_call, nspec, ops, [(x.shape[0], _n_out(nspec, ws))], [True] + [False] * (len(ops) - 1),
+                           [True])  # fmt: skip
     return [y]
 
 
@@ -216,15 +227,6 @@ _fwd_p.ref, _fwd_p.out_rows = _fwd_ref, lambda nspec: [True]
 # --- the backward ---------------------------------------------------------------------------
 
 
-def _bwd_results(nspec, x, ws, want_x, want_w, want_b):
-    """The cotangents the backward returns: gx, then every wanted gW, then every wanted gb."""
-    out = [x] if want_x else []
-    out += [w for w, want in zip(ws, want_w) if want]
-    out += [jax.ShapeDtypeStruct(w.shape[-2:-1] if nspec.w_transposed else w.shape[-1:], w.dtype)
-            for w, has, want in zip(ws, nspec.has_bias, want_b) if has and want]  # fmt: skip
-    return out
-
-
 def _bwd_ref(*args, nspec, want_x, want_w, want_b):
     x, ws, bs, (gy,) = _split(nspec, args)
     _, vjp = jax.vjp(lambda x, ws, bs: _layers(nspec, x, ws, bs), x, ws, bs)
@@ -246,14 +248,29 @@ def _bwd_layers(*args, nspec, want_x, want_w, want_b):  # the per-layer backward
     return _pick_wanted(nspec, gx, gws, gbs, want_x, want_w, want_b)
 
 
+def _bwd_shapes(nspec, x, ws, bs, want_x, any_w, want_b):
+    """The backward call's results: gx, every gW, every gb, each empty ([0, 0], [0]) where not wanted."""
+    out = [x.shape if want_x else (0, 0)]
+    out += [w.shape if any_w else (0, 0) for w in ws]
+    out += [b.shape if b is not None and want else (0,) for b, want in zip(bs, want_b)]
+    return [tuple(s) for s in out]
+
+
+def _bwd_call(static, x, *rest):  # the call on one device's rows (_partition.rows)
+    nspec, want_x, any_w, want_b = static
+    n = len(nspec.has_bias)
+    ws, bs = rest[:n], [b if b.shape[0] else None for b in rest[n : 2 * n]]
+    results = [jax.ShapeDtypeStruct(s, x.dtype) for s in _bwd_shapes(nspec, x, ws, bs, want_x, any_w, want_b)]
+    return _ffi._call(NARROW_MLP_BWD, results, x, *rest, **nspec.attrs())
+
+
 def _bwd_kernel(*args, nspec, want_x, want_w, want_b):
     x, ws, bs, (gy,) = _split(nspec, args)
-    any_w = any(want_w)
-    empty = lambda *shape: jax.ShapeDtypeStruct(shape, x.dtype)
-    results = [jax.ShapeDtypeStruct(x.shape, x.dtype) if want_x else empty(0, 0)]
-    results += [jax.ShapeDtypeStruct(w.shape, w.dtype) if any_w else empty(0, 0) for w in ws]
-    results += [jax.ShapeDtypeStruct(b.shape, b.dtype) if b is not None and want else empty(0) for b, want in zip(bs, want_b)]
-    outs = _ffi._call(NARROW_MLP_BWD, results, *_operands(nspec, x, ws, bs), gy, **nspec.attrs())
+    static = (nspec, want_x, any(want_w), want_b)
+    ops = _operands(nspec, x, ws, bs) + [gy]
+    shapes = _bwd_shapes(nspec, x, ws, bs, want_x, any(want_w), want_b)
+    outs = _partition.rows(_bwd_call, static, ops, shapes, [True] + [False] * (len(ops) - 2) + [True],
+                           [want_x] + [False] * (len(shapes) - 1))  # fmt: skip
     n = len(ws)
     gx, gws, gbs = outs[0], outs[1 : 1 + n], outs[1 + n :]
     return _pick_wanted(nspec, gx, gws, gbs, want_x, want_w, want_b)

@@ -17,6 +17,8 @@ gathers its operands and runs the whole call. Each call here is wrapped in
 - layer_backward: a layer's wgrad and the dgrad_dact call that follows it (and may
   write over the S the wgrad reads), as one op: the local wgrad, then the call, then
   dW summed over the devices that split the rows (below).
+- rows: a call over the rows of x whose other operands are whole (the fused narrow MLP):
+  each device's rows, the results without rows (weight gradients) summed over the devices.
 
 On one device, and inside shard_map (every axis manual), the wrapper lowers
 the local function directly: nothing changes there. Operands and results use
@@ -479,3 +481,45 @@ def layer_backward(a, b, s, wa, wb, *, wgrad, w_alpha, w_trans_a, w_trans_b, w_e
                    w_exact_f32=bool(w_exact_f32), shapes=tuple(tuple(x.shape) for x in args))  # fmt: skip
     out = tuple(_layer_backward_cp(attrs, *args))
     return out if attrs["bias_kind"] != "none" else (out[0], None, out[1])
+
+
+# ---------------------------------------------------------------------------
+# rows: a call over the rows of x (the fused narrow MLP), its other operands whole
+# ---------------------------------------------------------------------------
+# Data parallel: the rows split over the mesh axes that shard x's first dim, every other
+# operand (the weights and biases) replicated, so each device runs the call on its rows. A
+# result over the rows (y, gx) is sharded as x; any other (a weight's or a bias's gradient)
+# is each device's sum over its rows, summed over the devices (_device_sum), as plain jnp's.
+
+
+def _rows_plan(attrs, mesh, arg_infos):
+    rows = _spec_of(arg_infos[0], len(attrs["shapes"][0]))[0]
+    spec = lambda shape, row: P(*[_entry(rows) if row and i == 0 else None for i in range(len(shape))])
+    arg_specs = [spec(s, r) for s, r in zip(attrs["shapes"], attrs["row_args"])]
+    out_specs = tuple(spec(s, r) for s, r in zip(attrs["out_shapes"], attrs["row_outs"]))
+
+    def lower(*args):
+        outs = attrs["local"](attrs["static"], *args)
+        return tuple(o if row else _device_sum(o, rows) for o, row in zip(outs, attrs["row_outs"]))
+
+    return arg_specs, out_specs, _no_context_mesh(lower)
+
+
+def _rows_rule(attrs):
+    """Rows "m" where a row operand or result has them, a factor of its own for every other dim."""
+    names = (f"d{i}" for i in range(10**6))
+    side = lambda shapes, rows: ", ".join(" ".join("m" if r and i == 0 else next(names) for i in range(len(s)))
+                                          for s, r in zip(shapes, rows))  # fmt: skip
+    return side(attrs["shapes"], attrs["row_args"]) + " -> " + side(attrs["out_shapes"], attrs["row_outs"])
+
+
+_rows_cp = _partitioned(lambda attrs, *args: tuple(attrs["local"](attrs["static"], *args)), _rows_plan, _rows_rule)
+
+
+def rows(local, static, args, out_shapes, row_args, row_outs):
+    """local(static, *args) (a tuple of results of `out_shapes`), partitioned over the mesh as a
+    call over the rows of its first operand: `row_args`/`row_outs` say which operands and results
+    have those rows first; the other results are summed over the devices that split them."""
+    attrs = _Attrs(local=local, static=static, shapes=tuple(tuple(a.shape) for a in args),
+                   out_shapes=tuple(tuple(s) for s in out_shapes), row_args=tuple(row_args), row_outs=tuple(row_outs))  # fmt: skip
+    return tuple(_rows_cp(attrs, *args))

@@ -386,3 +386,43 @@ def test_act_none_bias_gradient_is_the_partitioned_op(block):
     want = jax.grad(lambda b: jnp.sum((jax.nn.relu(x @ w + b) @ w + b) ** 2))(b)
     got = jax.grad(f)(b)
     assert float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want)) < 1e-2  # TF32 on a GPU
+
+
+_ROWS_SCRIPT = r"""
+import os
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
+os.environ["JAX_PLATFORMS"] = "cpu"
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+from jax_regemm import _partition
+
+def local(scale, x, w, gy):  # a stand-in for the narrow MLP's backward call: gx over the rows, gW over all of them
+    return x @ w * scale, (x.T @ gy) * scale
+
+def call(x, w, gy):
+    return _partition.rows(local, 2.0, [x, w, gy], [(x.shape[0], w.shape[1]), w.shape], [True, False, True], [True, False])
+
+rng = np.random.default_rng(int(os.environ["SEED"]))
+x, w, gy = (jnp.asarray(rng.standard_normal(s), jnp.float32) for s in ((64, 8), (8, 5), (64, 5)))
+mesh = jax.make_mesh((4,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))  # (Explicit axes: the per-layer block)
+put = lambda v, spec: jax.device_put(v, NamedSharding(mesh, spec))
+f = jax.jit(call)
+hlo = f.lower(put(x, P("data")), put(w, P()), put(gy, P("data"))).compile().as_text()
+rows, gw = f(put(x, P("data")), put(w, P()), put(gy, P("data")))
+want_rows, want_gw = local(2.0, x, w, gy)
+print(float(np.abs(np.asarray(rows) - np.asarray(want_rows)).max()), float(np.abs(np.asarray(gw) - np.asarray(want_gw)).max()),
+      str(rows.sharding.spec), "all-reduce" in hlo, "all-gather" in hlo)
+"""
+
+
+def test_rows_partitioned_call_runs_each_devices_rows(rand, tmp_path):
+    """_partition.rows (the fused narrow MLP's calls under jit over a mesh): with x's rows sharded each
+    device runs its rows, the row results stay sharded as x, and the others (weight gradients) are the
+    sum over every row, one all-reduce, the rows never gathered."""
+    env = dict(os.environ, SEED=str(rand.seed))
+    proc = subprocess.run([sys.executable, "-c", _ROWS_SCRIPT], capture_output=True, text=True, env=env, cwd=tmp_path,
+                          timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    err_rows, err_gw, spec, all_reduce, all_gather = proc.stdout.split()[-5:]
+    assert float(err_rows) < 1e-5 and float(err_gw) < 1e-4, proc.stdout
+    assert "data" in spec and all_reduce == "True" and all_gather == "False", proc.stdout
