@@ -10,10 +10,11 @@ every hidden layer 16, 32, 64 or 128 wide with one activation, an output of at m
   the forward on chip, so nothing but x, the weights and the biases is kept for it;
 - `regemm_narrow_mlp_lin`: the JVP, linear in the tangents; its transpose is the backward.
 
-Each lowers on CUDA to its FFI target where the kernel fits (shared memory, the switch
-REGEMM_NARROW), and elsewhere (the CPU, a stack too big) to the per-layer program: the chain
-of regemm_fused calls and its fused backward (_mlp_block), so the same program runs on every
-platform. Forward mode and derivatives past the first evaluate the reference (plain JAX, f32
+Each lowers on CUDA to its FFI target where the kernel fits (shared memory; the switch
+REGEMM_NARROW not off), partitioned over a mesh as a call over rows (_partition.rows), and
+elsewhere (the CPU, a stack too big) to the per-layer program: the chain of regemm_fused calls
+and its fused backward (_mlp_block), so the same program runs on every platform. `chosen`
+decides at trace time where `mlp_block` takes this path, and whether its derivative does. Forward mode and derivatives past the first evaluate the reference (plain JAX, f32
 accumulation, each layer rounded to the input dtype as the kernels store it). A batch (vmap)
 with shared weights folds into the rows.
 """
@@ -80,7 +81,8 @@ def chosen(spec: _mlp_block.MlpSpec, x, weights, save) -> NarrowSpec | None:
     nspec = spec_of(spec, x, weights, save)
     if nspec is None or jax.default_backend() != "gpu" or not kernel_runs("cuda", nspec, x, weights):
         return None
-    if any(explicit(getattr(a, "aval", a)) is not None and any(explicit(getattr(a, "aval", a)).spec) for a in [x, *weights]):
+    typed = [explicit(getattr(a, "aval", a)) for a in (x, *weights)]
+    if any(t is not None and any(t.spec) for t in typed):
         return None  # (shardings in types, Explicit axes: the per-layer block types every result as jnp's)
     auto = _env.choice("REGEMM_NARROW") == "auto"
     if auto and not fused_forward_wins(nspec, x):
@@ -93,8 +95,8 @@ def fused_forward_wins(nspec, x) -> bool:
     """Whether the fused forward beats the per-layer program (XLA's GEMMs at these widths), as
     measured on an H200 (bf16 relu, benchmarks/results/h200_narrow.md; plain / fused device
     time): 2^18-2^20 rows at widths 16-64 1.47-2.14x; 2^16 rows 0.66x (64 wide) and 0.35x (128
-    wide: a fixed cost of ~30 us per call, and 16-row tiles too few to fill the machine); width
-    128 0.76x (2^18 x 6 hidden) and 1.08x (2^20 x 4)."""
+    wide: a fixed cost per block, most likely its weight load; docs/performance.md); width 128
+    0.76x (2^18 x 6 hidden) and 1.08x (2^20 x 4)."""
     return nspec.width <= 64 and x.shape[0] >= 2**18
 
 
