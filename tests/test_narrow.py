@@ -11,7 +11,6 @@ to the per-layer program: the tests there choose them by hand (`narrow` fixture)
 (the JVP, its transpose, the folded batch, export) are tested on every platform."""
 
 import re
-from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -39,7 +38,8 @@ def assert_close(got, ref, truth, dtype, what):
 
 
 def grads(f, argnums, *args):
-    return jax.tree.leaves(jax.grad(loss_of(f), argnums=argnums)(*args))
+    """Every gradient of f's loss, jitted (the references too: op by op they take seconds on a GPU)."""
+    return jax.tree.leaves(jax.jit(jax.grad(loss_of(f), argnums=argnums))(*args))
 
 
 @pytest.fixture
@@ -74,8 +74,8 @@ def check(x, ws, bs, act, final_act, slope=0.01):
     assert primitives(ours, x, ws, bs) == (1, 0)
     y = jax.jit(ours)(x, ws, bs)
     assert y.dtype == x.dtype and y.shape == x.shape[:-1] + ws[-1].shape[-1:]
-    assert_close(y, ref(x, ws, bs), ref(*f32((x, ws, bs))), x.dtype, "y")
-    g = jax.tree.leaves(jax.jit(jax.grad(loss_of(ours), argnums=(0, 1, 2)))(x, ws, bs))
+    assert_close(y, jax.jit(ref)(x, ws, bs), jax.jit(ref)(*f32((x, ws, bs))), x.dtype, "y")
+    g = grads(ours, (0, 1, 2), x, ws, bs)
     gr, gt = grads(ref, (0, 1, 2), x, ws, bs), grads(ref, (0, 1, 2), *f32((x, ws, bs)))
     names = ["gx"] + [f"gW{i}" for i in range(len(ws))] + [f"gb{i}" for i, b in enumerate(bs) if b is not None]
     for name, a, b, t in zip(names, g, gr, gt):
@@ -162,13 +162,13 @@ def test_forward_mode_and_second_order(narrow, rand):
     x, t = rand.normal((64, 8), jnp.float16), rand.normal((64, 8), jnp.float16)
     f = lambda x, ws, bs: rg.mlp(x, ws, bs, act="tanh")
     fr = lambda x, ws, bs: rg.reference.mlp(x, ws, bs, act="tanh", precision=HI)
-    jvp = lambda f, x, ws, bs: jax.jvp(lambda x: f(x, ws, bs), (x,), (t.astype(x.dtype),))
+    jvp = jax.jit(lambda f, x, ws, bs: jax.jvp(lambda x: f(x, ws, bs), (x,), (t.astype(x.dtype),)), static_argnums=0)
     got, ref, truth = jvp(f, x, ws, bs), jvp(fr, x, ws, bs), jvp(fr, *f32((x, ws, bs)))
     for what, a, b, c in zip(("y", "jvp"), got, ref, truth):
         assert_close(a, b, c, jnp.float16, what)
-    gg = lambda f, x, ws, bs: jax.grad(lambda x: jnp.sum(jax.grad(loss_of(f))(x, ws, bs).astype(jnp.float32) ** 2))(x)
-    assert_close(jax.jit(partial(gg, f))(x, ws, bs), gg(fr, x, ws, bs), gg(fr, *f32((x, ws, bs))), jnp.float16,
-                 "grad of grad")  # fmt: skip
+    gg = jax.jit(lambda f, x, ws, bs: jax.grad(lambda x: jnp.sum(jax.grad(loss_of(f))(x, ws, bs).astype(jnp.float32) ** 2))(x),
+                 static_argnums=0)  # fmt: skip
+    assert_close(gg(f, x, ws, bs), gg(fr, x, ws, bs), gg(fr, *f32((x, ws, bs))), jnp.float16, "grad of grad")
 
 
 def test_vmap_folds_rows_and_per_example_gradients(narrow, rand):
@@ -177,16 +177,16 @@ def test_vmap_folds_rows_and_per_example_gradients(narrow, rand):
     f = lambda x, ws, bs: rg.mlp(x, ws, bs, act="silu")
     ref = lambda x, ws, bs: rg.reference.mlp(x, ws, bs, act="silu", precision=HI)
     each = lambda f: jax.vmap(f, in_axes=(0, None, None))
-    assert_close(jax.jit(each(f))(xs, ws, bs), each(ref)(xs, ws, bs), each(ref)(*f32((xs, ws, bs))), jnp.bfloat16,
-                 "vmap")  # fmt: skip
+    assert_close(jax.jit(each(f))(xs, ws, bs), jax.jit(each(ref))(xs, ws, bs), jax.jit(each(ref))(*f32((xs, ws, bs))),
+                 jnp.bfloat16, "vmap")  # fmt: skip
     # grad of the vmapped loss: the weight gradients summed over the batch (the folded backward)
-    g = jax.jit(partial(grads, each(f), (1, 2)))(xs, ws, bs)
+    g = grads(each(f), (1, 2), xs, ws, bs)
     gr, gt = grads(each(ref), (1, 2), xs, ws, bs), grads(each(ref), (1, 2), *f32((xs, ws, bs)))
     for a, b, c in zip(g, gr, gt):
         assert_close(a, b, c, jnp.bfloat16, "grad of vmap")
     # vmap of the gradient: one weight gradient per example
-    per = lambda f, *args: jax.tree.leaves(jax.vmap(jax.grad(loss_of(f), argnums=(1, 2)), in_axes=(0, None, None))(*args))
-    pg = jax.jit(partial(per, f))(xs, ws, bs)
+    per = lambda f, *args: jax.tree.leaves(jax.jit(jax.vmap(jax.grad(loss_of(f), argnums=(1, 2)), in_axes=(0, None, None)))(*args))
+    pg = per(f, xs, ws, bs)
     pgr, pgt = per(ref, xs, ws, bs), per(ref, *f32((xs, ws, bs)))
     for a, b, c in zip(pg, pgr, pgt):
         assert a.shape == (4,) + b.shape[1:]
@@ -216,7 +216,8 @@ def test_what_the_kernels_do_not_take_runs_per_layer(narrow, rand):
         x = rand.normal((64, 16), dtype)
         f = lambda x: rg.mlp(x, ws, bs, act="relu", save=save)
         assert primitives(jax.grad(lambda x: jnp.sum(f(x))), x) == (0, 0), (dims, dtype, save)
-        assert_rel(f(x), rg.reference.mlp(x, ws, bs, act="relu", precision=HI), dtype, what=str(dims))
+        assert_rel(jax.jit(f)(x), jax.jit(lambda x: rg.reference.mlp(x, ws, bs, act="relu", precision=HI))(x), dtype,
+                   what=str(dims))  # fmt: skip
 
 
 @gpu_only
