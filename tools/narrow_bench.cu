@@ -3,7 +3,8 @@
 // and timed with CUDA events. A developer's probe of the kernel before the library sees it.
 //
 //   nvcc -O3 -std=c++17 -arch=sm_90a --expt-relaxed-constexpr -Iffi tools/narrow_bench.cu -o narrow_bench
-//   [NARROW_BWD=1] ./narrow_bench [rows x in x width x hidden x out [act]] ...     (e.g. 1048576x32x64x4x16 relu)
+//   [NARROW_BWD=1] [NARROW_NO_WGRAD=1] [NARROW_LOAD_ONLY=1] ./narrow_bench [rows x in x width x hidden x out [act]] ...
+//   (e.g. 1048576x32x64x4x16 relu; NARROW_LOAD_ONLY: also time the forward's weight load alone)
 #include <cuda_runtime.h>
 
 #include <cmath>
@@ -31,6 +32,15 @@ using namespace regemm;
 static float bf(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
 
 struct Cell { int64_t m; int k0, width, hidden, out; Act act; bool bwd; };
+
+// The forward's weight load alone (what each block of the persistent grid does before its
+// first row): the fixed cost per call that small M exposes.
+__global__ void __launch_bounds__(narrow::kWarps * 32) load_only(const narrow::Params p, int* sink) {
+  extern __shared__ __align__(16) char smem[];
+  narrow::load_weights<T>(p, smem);
+  __syncthreads();
+  if (threadIdx.x == 0 && smem[blockIdx.x % 64] == 123) atomicAdd(sink, 1);  // (keeps the load)
+}
 
 static bool run(const Cell& c) {
   std::mt19937 rng(1234);
@@ -118,6 +128,18 @@ static bool run(const Cell& c) {
   std::printf("%lldx%dx%dx%dx%d %s fwd: %.1f us, %.0f TFLOP/s, %.2f TB/s, smem %d B, max err %.3g (max |y| %.3g) %s\n",
               (long long)c.m, c.k0, c.width, c.hidden, c.out, std::string(kActNames[int(c.act)]).c_str(), ms * 1e3,
               flops / ms * 1e-9, bytes / ms * 1e-9, smem, max_err, max_ref, ok ? "ok" : "FAIL");
+  if (std::getenv("NARROW_LOAD_ONLY")) {  // the weight load alone: one wave of blocks, so about one block's load
+    int resident = 0, *sink = nullptr;
+    CHECK(cudaMalloc(&sink, sizeof(int)));
+    CHECK(narrow::resident_blocks(reinterpret_cast<const void*>(&load_only), smem, &resident));
+    CHECK(cudaEventRecord(e0));
+    for (int i = 0; i < iters; ++i) load_only<<<resident, narrow::kWarps * 32, smem>>>(p, sink);
+    CHECK(cudaEventRecord(e1));
+    CHECK(cudaEventSynchronize(e1));
+    float lms = 0;
+    CHECK(cudaEventElapsedTime(&lms, e0, e1));
+    std::printf("   weights load alone: %.1f us (%d blocks, %d B)\n", lms * 1e3 / iters, resident, smem);
+  }
   if (!c.bwd) return ok;
   // The backward: gy random; the reference on the first `check` rows (a problem of its own).
   const int64_t check = c.m < 2999 ? c.m : 2999;
