@@ -27,7 +27,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.interpreters import ad
+from jax.interpreters import ad, batching
 
 from . import _env, _ffi, _mlp_block, _partition, reference
 from ._primitive import define, explicit, same_varying_axes
@@ -162,9 +162,7 @@ def _fwd_kernel(*args, nspec):
 
 
 def _dims(nspec, x, ws):
-    width = ws[0].shape[-2] if nspec.w_transposed else ws[0].shape[-1]
-    n_out = ws[-1].shape[-2] if nspec.w_transposed else ws[-1].shape[-1]
-    return int(x.shape[-1]), int(width), len(ws), int(n_out)
+    return int(x.shape[-1]), nspec.width, len(ws), int(_n_out(nspec, ws))
 
 
 def kernel_runs(platform, nspec, x, ws, backward=False):
@@ -189,18 +187,18 @@ def _fwd_pick(platform, *args, nspec):
     return "kernel" if kernel_runs(platform, nspec, x, ws) else "layers"
 
 
-def _fold_batch(p, n_row_operands_of):
-    """The batching rule of a primitive whose row operands (x, gy, dx: `n_row_operands_of` says
-    which) carry the batch, its weights shared: the batch folds into the rows. Else (a batch of
-    weights, or the backward asked for weight or bias gradients, which are per example under
-    vmap and would sum over a folded batch) the reference, vmapped."""
+def _fold_batch(p, ref, rows_in, rows_out):
+    """The batching rule of primitive p whose row operands (x, gy, dx: `rows_in(nspec, n)` says
+    which) carry the batch, its weights shared: the batch folds into the rows (`rows_out(nspec,
+    **params)`: the results that have them). Else (a batch of weights, or the backward asked for
+    weight or bias gradients, which are per example under vmap and would sum over a folded
+    batch) `ref`, vmapped."""
 
     def batch(args, dims, *, nspec, **params):
-        rows = n_row_operands_of(nspec, len(args))
+        rows = rows_in(nspec, len(args))
         per_example = any(params.get("want_w", ())) or any(params.get("want_b", ()))  # (sums over rows: no fold)
         if per_example or any(d is not None for d, r in zip(dims, rows) if not r):
-            ref = partial(p.ref, nspec=nspec, **params)
-            outs = jax.vmap(ref, in_axes=tuple(dims))(*args)
+            outs = jax.vmap(partial(ref, nspec=nspec, **params), in_axes=tuple(dims))(*args)
             return outs, [0] * len(outs)
         size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
         flat = []
@@ -210,7 +208,7 @@ def _fold_batch(p, n_row_operands_of):
                 a = a.reshape((size * a.shape[1],) + a.shape[2:])
             flat.append(a)
         outs = p.bind(*flat, nspec=nspec, **params)
-        out_rows = p.out_rows(nspec, **params)
+        out_rows = rows_out(nspec, **params)
         return [o.reshape((size, o.shape[0] // size) + o.shape[1:]) if r else o for o, r in zip(outs, out_rows)], [
             0 if r else None for r in out_rows]  # fmt: skip
 
@@ -223,7 +221,6 @@ def _rows_fwd(nspec, n):
 
 _fwd_p = define("regemm_narrow_mlp", _fwd_ref, programs={"kernel": _fwd_kernel, "layers": _fwd_layers},
                 pick=_fwd_pick, batch=None)  # fmt: skip
-_fwd_p.ref, _fwd_p.out_rows = _fwd_ref, lambda nspec: [True]
 
 
 # --- the backward ---------------------------------------------------------------------------
@@ -289,7 +286,6 @@ def _bwd_out_rows(nspec, want_x, want_w, want_b):
 
 _bwd_p = define("regemm_narrow_mlp_bwd", _bwd_ref, programs={"kernel": _bwd_kernel, "layers": _bwd_layers},
                 pick=_bwd_pick, batch=None)  # fmt: skip
-_bwd_p.ref, _bwd_p.out_rows = _bwd_ref, _bwd_out_rows
 
 
 def _rows_bwd(nspec, n):
@@ -342,12 +338,12 @@ def _rows_lin(nspec, n):
 
 
 _lin_p = define("regemm_narrow_mlp_lin", _lin_ref, transpose=_lin_transpose, batch=None)
-_lin_p.ref, _lin_p.out_rows = _lin_ref, lambda nspec: [True]
 
-from jax.interpreters import batching  # noqa: E402
-
-for _p, _rows in ((_fwd_p, _rows_fwd), (_bwd_p, _rows_bwd), (_lin_p, _rows_lin)):
-    batching.primitive_batchers[_p] = _fold_batch(_p, _rows)
+# The batching rules, set here (define's batch=None): each binds its own primitive.
+_y_rows = lambda nspec: [True]  # (y, dy: the one result, over the rows)
+for _p, _ref, _rows_in, _rows_out in ((_fwd_p, _fwd_ref, _rows_fwd, _y_rows), (_bwd_p, _bwd_ref, _rows_bwd, _bwd_out_rows),
+                                      (_lin_p, _lin_ref, _rows_lin, _y_rows)):  # fmt: skip
+    batching.primitive_batchers[_p] = _fold_batch(_p, _ref, _rows_in, _rows_out)
 
 
 # --- the op ---------------------------------------------------------------------------------
