@@ -48,6 +48,7 @@ class NarrowSpec:
     w_transposed: bool  # weights stored [N, K] (Equinox)
     has_bias: tuple  # per layer
     width: int  # every hidden layer's
+    n_out: int  # the output layer's
     fused_backward: bool = True  # the derivative through the fused backward; else the per-layer block's
 
     def attrs(self):
@@ -69,7 +70,7 @@ def spec_of(spec: _mlp_block.MlpSpec, x, weights, save) -> NarrowSpec | None:
     if widths[0] not in WIDTHS or not 1 <= widths[-1] <= MAX_OUT or x.shape[-1] < 1:
         return None
     return NarrowSpec(spec, hidden[0].act, cfgs[-1].act, cfgs[0].slope, cfgs[0].trans_b,
-                      tuple(c.bias_kind != "none" for c in cfgs), widths[0])  # fmt: skip
+                      tuple(c.bias_kind != "none" for c in cfgs), widths[0], widths[-1])  # fmt: skip
 
 
 def chosen(spec: _mlp_block.MlpSpec, x, weights, save) -> NarrowSpec | None:
@@ -79,7 +80,7 @@ def chosen(spec: _mlp_block.MlpSpec, x, weights, save) -> NarrowSpec | None:
     faster. Its derivative takes the fused backward where that kernel fits and (auto) wins, else
     the per-layer block's (whose forward keeps the residuals)."""
     nspec = spec_of(spec, x, weights, save)
-    if nspec is None or jax.default_backend() != "gpu" or not kernel_runs("cuda", nspec, x, weights):
+    if nspec is None or jax.default_backend() != "gpu" or not kernel_runs("cuda", nspec, x):
         return None
     typed = [explicit(getattr(a, "aval", a)) for a in (x, *weights)]
     if any(t is not None and any(t.spec) for t in typed):
@@ -87,7 +88,7 @@ def chosen(spec: _mlp_block.MlpSpec, x, weights, save) -> NarrowSpec | None:
     auto = _env.choice("REGEMM_NARROW") == "auto"
     if auto and not fused_forward_wins(nspec, x):
         return None
-    fused = kernel_runs("cuda", nspec, x, weights, backward=True) and (not auto or fused_backward_wins(nspec, x))
+    fused = kernel_runs("cuda", nspec, x, backward=True) and (not auto or fused_backward_wins(nspec, x))
     return dataclasses.replace(nspec, fused_backward=fused)
 
 
@@ -103,10 +104,17 @@ def fused_forward_wins(nspec, x) -> bool:
 def fused_backward_wins(nspec, x) -> bool:
     """Whether a training step is faster with the fused backward than through the per-layer
     block, as measured on an H200 (bf16 relu Adam steps, plain / ours device time): 2^20 rows
-    1.21x at 32 wide x 3 hidden, 1.08x at 16 x 4; 0.75x at 64 x 4 (2^18 and 2^20 rows) and 0.63x
-    at 2^16 rows: its one block of 4 warps per SM (the shared memory of the weight-gradient sums)
-    is latency-bound."""
-    return nspec.width <= 32 and x.shape[0] >= 2**20
+    1.21x at 32 wide x 3 hidden and 1.08x at 16 x 4, stacks of which 3 blocks (12 warps) fit an
+    SM; 0.75x at 64 x 4 (2^18 and 2^20 rows) and 0.63x at 2^16 rows, 1 block of 4 warps an SM:
+    the kernel is latency-bound, its occupancy set by its shared memory (`plan_bwd`; registers
+    allow 3 blocks). So: widths <= 32, 2^20 rows or more, and shared memory for 3 blocks an SM
+    (a deep 32-wide stack has not: 2 blocks at 4 hidden, 1 at 6)."""
+    cuda = _ffi._regemm_cuda
+    if cuda is None or nspec.width > 32 or x.shape[0] < 2**20:
+        return False
+    need = cuda.narrow_smem_bytes(int(x.shape[1]), nspec.width, len(nspec.has_bias), nspec.n_out, True)
+    sm = cuda.narrow_smem_limit() + 1024  # an SM's shared memory: a block's most and the 1 KB kept per block
+    return need >= 0 and sm // (need + 1024) >= 3
 
 
 def _split(nspec, args):
@@ -144,28 +152,24 @@ def _operands(nspec, x, ws, bs):
     return [x, *ws, *(b if b is not None else jnp.zeros((0,), x.dtype) for b in bs)]
 
 
-def _n_out(nspec, ws):
-    return ws[-1].shape[-2] if nspec.w_transposed else ws[-1].shape[-1]
-
-
 def _fwd_call(nspec, x, *rest):  # the call on one device's rows (_partition.rows)
-    n_out = _n_out(nspec, rest[: len(nspec.has_bias)])
-    return _ffi._call(NARROW_MLP, (jax.ShapeDtypeStruct((x.shape[0], n_out), x.dtype),), x, *rest, **nspec.attrs())
+    return _ffi._call(NARROW_MLP, (jax.ShapeDtypeStruct((x.shape[0], nspec.n_out), x.dtype),), x, *rest,
+                      **nspec.attrs())  # fmt: skip
 
 
 def _fwd_kernel(*args, nspec):
     x, ws, bs, _ = _split(nspec, args)
     ops = _operands(nspec, x, ws, bs)
-    (y,) = _partition.rows(_fwd_call, nspec, ops, [(x.shape[0], _n_out(nspec, ws))], [True] + [False] * (len(ops) - 1),
+    (y,) = _partition.rows(_fwd_call, nspec, ops, [(x.shape[0], nspec.n_out)], [True] + [False] * (len(ops) - 1),
                            [True])  # fmt: skip
     return [y]
 
 
-def _dims(nspec, x, ws):
-    return int(x.shape[-1]), nspec.width, len(ws), int(_n_out(nspec, ws))
+def _dims(nspec, x):
+    return int(x.shape[-1]), nspec.width, len(nspec.has_bias), nspec.n_out
 
 
-def kernel_runs(platform, nspec, x, ws, backward=False):
+def kernel_runs(platform, nspec, x, backward=False):
     """Whether a call lowers to the kernel: on CUDA, where it fits (shared memory, and for the
     backward a workspace), the switch not off, the rows static."""
     cuda = _ffi._regemm_cuda
@@ -173,7 +177,7 @@ def kernel_runs(platform, nspec, x, ws, backward=False):
         return False
     if not all(isinstance(d, (int, np.integer)) for d in x.shape):
         return False  # (symbolic rows: the workspace is sized from the device's resident blocks, any M)
-    k0, width, layers, n_out = _dims(nspec, x, ws)
+    k0, width, layers, n_out = _dims(nspec, x)
     need = cuda.narrow_smem_bytes(k0, width, layers, n_out, backward)
     if need < 0 or need > cuda.narrow_smem_limit():
         return False
@@ -183,8 +187,7 @@ def kernel_runs(platform, nspec, x, ws, backward=False):
 
 
 def _fwd_pick(platform, *args, nspec):
-    x, ws, _, _ = _split(nspec, args)
-    return "kernel" if kernel_runs(platform, nspec, x, ws) else "layers"
+    return "kernel" if kernel_runs(platform, nspec, args[0]) else "layers"
 
 
 def _fold_batch(p, ref, rows_in, rows_out):
@@ -276,8 +279,7 @@ def _bwd_kernel(*args, nspec, want_x, want_w, want_b):
 
 
 def _bwd_pick(platform, *args, nspec, want_x, want_w, want_b):
-    x, ws, _, _ = _split(nspec, args)
-    return "kernel" if kernel_runs(platform, nspec, x, ws, backward=True) else "layers"
+    return "kernel" if kernel_runs(platform, nspec, args[0], backward=True) else "layers"
 
 
 def _bwd_out_rows(nspec, want_x, want_w, want_b):

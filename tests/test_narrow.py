@@ -279,7 +279,8 @@ def test_derivative_per_layer_where_the_fused_backward_does_not_fit(narrow, rand
 
 
 @gpu_only
-@pytest.mark.parametrize("rows,width,hidden", [(4096, 64, 3), (2**18, 64, 4), (2**20, 32, 3), (2**20, 128, 1)])
+@pytest.mark.parametrize("rows,width,hidden", [(4096, 64, 3), (2**18, 64, 4), (2**20, 32, 3), (2**20, 32, 6),
+                                               (2**20, 128, 1)])  # fmt: skip
 def test_auto_fuses_each_direction_where_it_wins(narrow, monkeypatch, rows, width, hidden):
     """REGEMM_NARROW=auto (the default): the forward kernel where `fused_forward_wins`, the fused
     backward where besides `fused_backward_wins` (lowered, not run)."""
@@ -290,8 +291,8 @@ def test_auto_fuses_each_direction_where_it_wins(narrow, monkeypatch, rows, widt
     fwd = calls(f, x, ws)[0]
     # (a loss that reads y: under sum(y) alone the gradient needs no forward, and the program has none)
     n = calls(jax.grad(lambda x, ws: jnp.sum(jnp.sin(f(x, ws).astype(jnp.float32))), argnums=(0, 1)), x, ws)
-    spec = _narrow.NarrowSpec(None, "relu", "none", 0.01, False, (False,) * (hidden + 1), width)
-    xs = jnp.zeros((rows, 1), jnp.bfloat16)
+    spec = _narrow.NarrowSpec(None, "relu", "none", 0.01, False, (False,) * (hidden + 1), width, 16)
+    xs = jax.ShapeDtypeStruct((rows, 32), jnp.bfloat16)
     want_fwd = _narrow.fused_forward_wins(spec, xs)
     want_bwd = want_fwd and _narrow.fused_backward_wins(spec, xs)
     assert fwd == int(want_fwd) and n == ((1, 1) if want_bwd else (0, 0)), (fwd, n)
