@@ -6,7 +6,8 @@ default and what it does. docs/environment.md is this table written out
 checks that no source reads a REGEMM_* name missing here.
 
 When they are read:
-- "lowering": by jax_regemm's Python when a program is lowered (`route`, `flag`);
+- "lowering": by jax_regemm's Python when a program is lowered (`route`, `flag`, `choice`;
+  REGEMM_NARROW also when it is traced);
 - "call": by the CUDA handlers at every call (ffi/regemm/env.h: the same on/off
   spellings as here, in any case);
 - "build": by the package's build (pip / CMake), never at run time;
@@ -96,8 +97,8 @@ SWITCHES = (
            "MLP blocks the fused narrow-MLP kernels take (bf16/f16, hidden widths 16-128, docs/spec.md §8) on "
            "CUDA: auto, the whole stack in one kernel outside a derivative, and its derivative through the fused "
            "backward where that is the faster (jax_regemm/_narrow.py, `fused_backward_wins`), else layer by layer; "
-           "on, both kernels wherever they fit; off, layer by layer. The test suite sets off (its per-layer call "
-           "counts); tests/test_narrow.py sets on."),
+           "on, both kernels wherever they fit; off, layer by layer. Read when the program is traced and lowered. "
+           "The test suite sets off (its per-layer call counts); tests/test_narrow.py sets on."),
     Switch("REGEMM_IN_PLACE", "lowering", ON + OFF, "on",
            "The backward's dgrad calls may write gZ over the S they read (Y of the layer below, or a "
            "recomputed Z) where the fused kernel runs them: one [M, N] buffer less at the backward's peak."),
