@@ -30,9 +30,10 @@ import plain as PLAIN
 from bench_train import _env, _with_env, make_step, wall_ms
 from devtime import device_times_ms, named_jit, pipelined_ms
 
-# The four cells (2^18/2^20 rows, widths 32-128), then widths 16-128 at 2^16 and 2^20 rows.
+# The four cells (2^18/2^20 rows, widths 32-128), then widths 16-128 at 2^16-2^22 rows.
 CELLS = ("2^18x32x64x4x16,2^20x32x64x4x16,2^18x64x128x6x16,2^20x32x32x3x16,"
-         "2^20x32x16x4x16,2^20x32x128x4x16,2^16x32x64x4x16,2^16x32x128x4x16")  # fmt: skip
+         "2^20x32x16x4x16,2^20x32x128x4x16,2^18x32x128x4x16,2^22x32x64x4x16,"
+         "2^16x32x16x4x16,2^16x32x64x4x16,2^16x32x128x4x16")  # fmt: skip
 
 
 def parse_cell(text):

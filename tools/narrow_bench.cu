@@ -3,7 +3,7 @@
 // and timed with CUDA events. A developer's probe of the kernel before the library sees it.
 //
 //   nvcc -O3 -std=c++17 -arch=sm_90a --expt-relaxed-constexpr -Iffi tools/narrow_bench.cu -o narrow_bench
-//   [NARROW_BWD=1] [NARROW_NO_WGRAD=1] [NARROW_LOAD_ONLY=1] ./narrow_bench [rows x in x width x hidden x out [act]] ...
+//   [NARROW_BWD=1] [NARROW_NO_WGRAD=1] [NARROW_LOAD_ONLY=1] [NARROW_TRANSPOSED=1] ./narrow_bench [rows x in x width x hidden x out [act]] ...
 //   (e.g. 1048576x32x64x4x16 relu; NARROW_LOAD_ONLY: also time the forward's weight load alone)
 #include <cuda_runtime.h>
 
@@ -35,7 +35,7 @@ struct Cell { int64_t m; int k0, width, hidden, out; Act act; bool bwd; };
 
 // The forward's weight load alone (what each block of the persistent grid does before its
 // first row): the fixed cost per call that small M exposes.
-__global__ void __launch_bounds__(narrow::kWarps * 32) load_only(const narrow::Params p, int* sink) {
+__global__ void __launch_bounds__(512) load_only(const narrow::Params p, int* sink) {
   extern __shared__ __align__(16) char smem[];
   narrow::load_weights<T>(p, smem);
   __syncthreads();
@@ -72,7 +72,7 @@ static bool run(const Cell& c) {
   narrow::Params p{};
   p.m = c.m;
   p.layers = layers;
-  p.w_transposed = false;
+  p.w_transposed = std::getenv("NARROW_TRANSPOSED") != nullptr;  // W [N, K], Equinox's layout
   p.act_hidden = c.act;
   p.act_out = Act::kNone;
   p.slope = 0.01f;
@@ -81,7 +81,10 @@ static bool run(const Cell& c) {
   for (int l = 0; l < layers; ++l) {
     p.layer[l].k = ks[l];
     p.layer[l].n = ns[l];
-    p.layer[l].w = to_dev(w[l]);
+    std::vector<float> wt(w[l].size());
+    for (int k = 0; k < ks[l]; ++k)
+      for (int n = 0; n < ns[l]; ++n) wt[size_t(n) * ks[l] + k] = w[l][size_t(k) * ns[l] + n];
+    p.layer[l].w = to_dev(p.w_transposed ? wt : w[l]);
     p.layer[l].b = to_dev(b[l]);
   }
   const int smem = narrow::plan_weights(&p, sizeof(T));
@@ -131,9 +134,10 @@ static bool run(const Cell& c) {
   if (std::getenv("NARROW_LOAD_ONLY")) {  // the weight load alone: one wave of blocks, so about one block's load
     int resident = 0, *sink = nullptr;
     CHECK(cudaMalloc(&sink, sizeof(int)));
-    CHECK(narrow::resident_blocks(reinterpret_cast<const void*>(&load_only), smem, &resident));
+    const int threads = narrow::fwd_warps(c.width) * 32;
+    CHECK(narrow::resident_blocks(reinterpret_cast<const void*>(&load_only), smem, &resident, threads));
     CHECK(cudaEventRecord(e0));
-    for (int i = 0; i < iters; ++i) load_only<<<resident, narrow::kWarps * 32, smem>>>(p, sink);
+    for (int i = 0; i < iters; ++i) load_only<<<resident, threads, smem>>>(p, sink);
     CHECK(cudaEventRecord(e1));
     CHECK(cudaEventSynchronize(e1));
     float lms = 0;
@@ -224,7 +228,11 @@ static bool run(const Cell& c) {
   bool bok = compare("gx", from_dev(bp.gx, check * c.k0), gx_ref);
   for (int l = 0; l < layers; ++l) {
     std::string n = "gw" + std::to_string(l), m = "gb" + std::to_string(l);
-    bok = compare(n.c_str(), from_dev(bp.gw[l], size_t(ks[l]) * ns[l]), gw_ref[l]) && bok;
+    std::vector<float> gw = from_dev(bp.gw[l], size_t(ks[l]) * ns[l]), gkn(gw.size());
+    for (int k = 0; k < ks[l]; ++k)  // to [K, N] where the kernel wrote W's layout [N, K]
+      for (int n = 0; n < ns[l]; ++n)
+        gkn[size_t(k) * ns[l] + n] = p.w_transposed ? gw[size_t(n) * ks[l] + k] : gw[size_t(k) * ns[l] + n];
+    bok = compare(n.c_str(), gkn, gw_ref[l]) && bok;
     bok = compare(m.c_str(), from_dev(bp.gb[l], ns[l]), gb_ref[l]) && bok;
   }
   // Deterministic: the same bits again.

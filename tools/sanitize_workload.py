@@ -92,11 +92,12 @@ def case(m, n, k, dtype, act, kind, trans_a=False, trans_b=False, with_c=False, 
 
 def narrow_mlp():
     # The fused narrow MLP (ffi/cuda/narrow; shared memory is where it can go wrong, under every
-    # tool: it has no TMA): each hidden width, bf16 and f16, ragged rows and odd K0 / N_out, a
-    # layer without bias, M = 0; forward and backward (its partial sums and their reduction).
+    # tool: it has no TMA): each hidden width, bf16 and f16, ragged rows and odd K0 / N_out (the
+    # weight load's element path; N_out = 16 and the hidden layers its 16-byte path), a layer
+    # without bias, M = 0; forward and backward (its partial sums and their reduction).
     narrow = ((16, 3, jnp.bfloat16, "relu", 1000, 5), (32, 2, jnp.float16, "gelu", 333, 17),
               (64, 4, jnp.bfloat16, "silu", 700, 16), (128, 1, jnp.float16, "tanh", 129, 3),
-              (32, 2, jnp.bfloat16, "leaky_relu", 0, 8))  # fmt: skip
+              (128, 1, jnp.bfloat16, "relu", 300, 16), (32, 2, jnp.bfloat16, "leaky_relu", 0, 8))  # fmt: skip
     for width, hidden, dtype, act, m, n_out in narrow:
         dims = [7] + [width] * hidden + [n_out]
         ws = [rand((k, n), dtype) * (1 / k**0.5) for k, n in zip(dims, dims[1:])]

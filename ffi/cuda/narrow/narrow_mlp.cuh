@@ -29,7 +29,7 @@
 namespace regemm::narrow {
 
 constexpr int kMaxLayers = 9;  // 8 hidden layers and the output layer
-constexpr int kWarps = 4;      // per block
+constexpr int kWarps = 4;      // per block of the backward (and of the forward under 128 wide)
 constexpr int kPad = 8;        // elements of padding per smem row: ldmatrix rows on distinct banks
 
 struct Layer {
@@ -105,7 +105,10 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* 
 }
 
 // Every layer's weights into shared memory as Wt [np][kp + kPad] (zero padded), biases as f32.
-// Eight loads in flight per thread before their stores: the load is latency-bound otherwise.
+// Each block loads them once, so at small M the load is the call's fixed cost: 16-byte loads
+// (a source row of whole 8-element vectors), eight in flight a thread before their stores,
+// with one division per vector (2-byte loads with the index math per element took 32 us a
+// call at 64 x 4 hidden and 95 us at 128 x 4, tools/narrow_bench.cu NARROW_LOAD_ONLY).
 template <class T>
 __device__ void load_weights(const Params& p, char* smem) {
   constexpr int kBatch = 8;
@@ -113,24 +116,43 @@ __device__ void load_weights(const Params& p, char* smem) {
     const Layer& L = p.layer[l];
     T* wt = reinterpret_cast<T*>(smem + L.w_off);
     const T* __restrict__ w = static_cast<const T*>(L.w);
-    const int stride = L.kp + kPad, total = L.np * L.kp;
-    // Consecutive threads read consecutive elements of W's rows (coalesced).
-    for (int i0 = threadIdx.x; i0 < total; i0 += kBatch * blockDim.x) {
-      T v[kBatch];
-      int at[kBatch];
-#pragma unroll
-      for (int u = 0; u < kBatch; ++u) {
-        const int i = i0 + u * blockDim.x;
-        int n, k;
-        if (p.w_transposed) { n = i / L.kp; k = i % L.kp; }  // W [N, K]
-        else { k = i / L.np; n = i % L.np; }                 // W [K, N]
-        const bool in = i < total && n < L.n && k < L.k;
-        v[u] = in ? __ldg(p.w_transposed ? w + int64_t(n) * L.k + k : w + int64_t(k) * L.n + n) : Elem<T>::from_float(0.f);
-        at[u] = i < total ? n * stride + k : -1;
+    const int stride = L.kp + kPad;
+    // The source's rows: W [N, K] row n is Wt's row n; W [K, N] row k is Wt's column k.
+    const int rows = p.w_transposed ? L.n : L.k, cols = p.w_transposed ? L.k : L.n;
+    if (L.n < L.np || L.k < L.kp)  // the padding, apart from the elements stored below
+      for (int i = threadIdx.x; i < L.np * L.kp; i += blockDim.x) {
+        const int n = i / L.kp, k = i % L.kp;
+        if (n >= L.n || k >= L.k) wt[n * stride + k] = Elem<T>::from_float(0.f);
       }
+    if (cols % 8 == 0 && (reinterpret_cast<uintptr_t>(w) & 15) == 0) {
+      const int per_row = cols / 8, total = rows * per_row;
+      const uint4* __restrict__ src = reinterpret_cast<const uint4*>(w);
+      for (int i0 = threadIdx.x; i0 < total; i0 += kBatch * blockDim.x) {
+        uint4 v[kBatch];
 #pragma unroll
-      for (int u = 0; u < kBatch; ++u)
-        if (at[u] >= 0) wt[at[u]] = v[u];
+        for (int u = 0; u < kBatch; ++u) {
+          const int i = i0 + u * blockDim.x;
+          if (i < total) v[u] = __ldg(src + i);
+        }
+#pragma unroll
+        for (int u = 0; u < kBatch; ++u) {
+          const int i = i0 + u * blockDim.x;
+          if (i >= total) break;
+          const int r = i / per_row, c = (i % per_row) * 8;
+          if (p.w_transposed) {
+            *reinterpret_cast<uint4*>(wt + r * stride + c) = v[u];  // (rows of Wt are 16-byte aligned)
+          } else {
+            const T* e = reinterpret_cast<const T*>(&v[u]);
+#pragma unroll
+            for (int j = 0; j < 8; ++j) wt[(c + j) * stride + r] = e[j];
+          }
+        }
+      }
+    } else {  // rows of other lengths (an input or output width that is not a multiple of 8)
+      for (int i = threadIdx.x; i < rows * cols; i += blockDim.x) {
+        const int r = i / cols, c = i % cols;
+        wt[p.w_transposed ? r * stride + c : c * stride + r] = w[i];
+      }
     }
     float* bias = reinterpret_cast<float*>(smem + L.b_off);
     for (int n = threadIdx.x; n < L.np; n += blockDim.x)
@@ -249,9 +271,9 @@ __device__ __forceinline__ void output_layer(const Params& p, const char* smem, 
 }
 
 // The forward: y = the stack on x. W: the hidden width; RT: 16-row tiles a warp carries at
-// once (they share each B fragment).
-template <class T, int W, int RT, Act HID>
-__global__ void __launch_bounds__(kWarps * 32) narrow_mlp_fwd(const Params p) {
+// once (they share each B fragment); WARPS a block.
+template <class T, int W, int RT, Act HID, int WARPS>
+__global__ void __launch_bounds__(WARPS * 32) narrow_mlp_fwd(const Params p) {
   extern __shared__ __align__(16) char smem[];
   load_weights<T>(p, smem);
   __syncthreads();
@@ -261,7 +283,7 @@ __global__ void __launch_bounds__(kWarps * 32) narrow_mlp_fwd(const Params p) {
   const T* x = static_cast<const T*>(p.x);
   const int k0 = p.layer[0].k;
   const int64_t tiles = (p.m + 16 * RT - 1) / (16 * RT);
-  for (int64_t t = int64_t(blockIdx.x) * kWarps + warp; t < tiles; t += int64_t(gridDim.x) * kWarps) {
+  for (int64_t t = int64_t(blockIdx.x) * WARPS + warp; t < tiles; t += int64_t(gridDim.x) * WARPS) {
     const int64_t row0 = t * 16 * RT;
     float acc[RT][NT][4];
     uint32_t a[RT][KT][4];
@@ -310,6 +332,11 @@ __global__ void __launch_bounds__(kWarps * 32) narrow_mlp_fwd(const Params p) {
 
 // 16-row tiles a warp carries at once, by width (W = 128 keeps one: registers).
 constexpr int row_tiles(int width) { return width <= 64 ? 2 : 1; }
+// Warps a block of the forward, by width. Under 128 wide 4 to 6 blocks of 4 share an SM; at 128
+// the weights (121 KB at 4 hidden) leave room for one block, so it takes 16 warps (128
+// registers a thread fill the register file) where 4 left one warp a scheduler (24% of the
+// tensor-core peak, ncu: 0.27 eligible warps a cycle).
+constexpr int fwd_warps(int width) { return width >= 128 ? 16 : kWarps; }
 inline bool width_ok(int width) { return width == 16 || width == 32 || width == 64 || width == 128; }
 
 // Fills the padded sizes and shared-memory offsets of p.layer[0..layers) from k, n; returns
@@ -332,21 +359,21 @@ inline int plan_weights(Params* p, int elem_bytes) {
 // Blocks of `kernel` that run at once on the current device with `smem` bytes each: the
 // persistent grid. Cached per (device, kernel, smem); the attribute that admits more than
 // 48 KiB of shared memory is set once per (device, kernel).
-inline cudaError_t resident_blocks(const void* kernel, int smem, int* out) {
+inline cudaError_t resident_blocks(const void* kernel, int smem, int* out, int threads = kWarps * 32) {
   static std::mutex mu;
   static std::map<std::tuple<int, const void*, int>, int> cache;
   int dev = 0;
   cudaError_t e = cudaGetDevice(&dev);
   if (e != cudaSuccess) return e;
   std::lock_guard<std::mutex> lock(mu);
-  auto key = std::make_tuple(dev, kernel, smem);
+  auto key = std::make_tuple(dev, kernel, smem);  // (a kernel is launched with one block size)
   auto it = cache.find(key);
   if (it != cache.end()) { *out = it->second; return cudaSuccess; }
   int optin = 0, sms = 0, per_sm = 0;
   if ((e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev)) != cudaSuccess) return e;
   if ((e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev)) != cudaSuccess) return e;
   if ((e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, optin)) != cudaSuccess) return e;
-  if ((e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kWarps * 32, smem)) != cudaSuccess) return e;
+  if ((e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem)) != cudaSuccess) return e;
   if (per_sm < 1) return cudaErrorInvalidConfiguration;  // (the caller checked the size first)
   cache[key] = *out = per_sm * sms;
   return cudaSuccess;
@@ -361,16 +388,16 @@ inline cudaError_t max_smem(int* out) {
 
 template <class T, int W, Act HID>
 cudaError_t launch_fwd_w(const Params& p, cudaStream_t stream) {
-  constexpr int RT = row_tiles(W);
-  const void* kernel = reinterpret_cast<const void*>(&narrow_mlp_fwd<T, W, RT, HID>);
+  constexpr int RT = row_tiles(W), WARPS = fwd_warps(W);
+  const void* kernel = reinterpret_cast<const void*>(&narrow_mlp_fwd<T, W, RT, HID, WARPS>);
   int resident = 0;
-  cudaError_t e = resident_blocks(kernel, p.weights_bytes, &resident);
+  cudaError_t e = resident_blocks(kernel, p.weights_bytes, &resident, WARPS * 32);
   if (e != cudaSuccess) return e;
   const int64_t tiles = (p.m + 16 * RT - 1) / (16 * RT);
-  const int64_t want = (tiles + kWarps - 1) / kWarps;
+  const int64_t want = (tiles + WARPS - 1) / WARPS;
   const int blocks = int(want < resident ? want : resident);
   if (blocks == 0) return cudaSuccess;
-  narrow_mlp_fwd<T, W, RT, HID><<<blocks, kWarps * 32, p.weights_bytes, stream>>>(p);
+  narrow_mlp_fwd<T, W, RT, HID, WARPS><<<blocks, WARPS * 32, p.weights_bytes, stream>>>(p);
   return cudaGetLastError();
 }
 
