@@ -66,13 +66,17 @@ def test_a_portable_dtype_lowers_to_xla_on_the_cpu(monkeypatch):
 
     with jax.enable_x64(True):
         r = np.random.default_rng(3)
-        x, w, b = (jnp.asarray(r.standard_normal(s)) for s in ((64, 32), (32, 48), (48,)))
+        # (on the CPU where the default backend is a GPU too: lowered for it, run on its device)
+        cpu = jax.devices("cpu")[0]
+        x, w, b = (jax.device_put(r.standard_normal(s), cpu) for s in ((64, 32), (32, 48), (48,)))
         loss = lambda f: (lambda x, w, b: jnp.sum(jnp.sin(f(x, w, b))))
         ours = lambda x, w, b: rg.dense(x, w, b, act="gelu")
-        calls = lambda: jax.jit(jax.grad(loss(ours), argnums=(0, 1, 2))).lower(x, w, b).as_text().count("regemm_gemm_")
+        grad = lambda: jax.jit(jax.grad(loss(ours), argnums=(0, 1, 2)))  # (a new one: the switch is read when lowered)
+        calls = lambda: grad().trace(x, w, b).lower(lowering_platforms=("cpu",)).as_text().count("regemm_gemm_")
         monkeypatch.delenv("REGEMM_PORTABLE", raising=False)
         assert calls() == 0
-        got = jax.jit(jax.grad(loss(ours), argnums=(0, 1, 2)))(x, w, b)
+        got = grad()(x, w, b)
+        assert all(g.devices() == {cpu} for g in got)
         theirs = lambda x, w, b: reference.gemm_bias_act(x, w, b, act="gelu")
         for g, want in zip(got, jax.grad(loss(theirs), argnums=(0, 1, 2))(x, w, b)):
             np.testing.assert_allclose(g, want, rtol=1e-12, atol=1e-12)
