@@ -32,9 +32,13 @@ cmake -DDTYPES="${DTYPES// /;}" -P $HERE/kernels.cmake 2>&1 | while read -r fami
 done
 FLAGS="$(cmake -DFLAGS=1 -P $HERE/kernels.cmake 2>&1) -Xcompiler=-fPIC"
 export FLAGS ROOT OUTDIR HERE
-ls "$OUTDIR"/src/*.cu 2>/dev/null | xargs -r -P "$JOBS" -I{} bash -c \
-  'n=$(basename {} .cu); nvcc $FLAGS -I"$ROOT/include" -I"$ROOT/tools/util/include" -I$HERE -Iffi -c {} -o "$OUTDIR/$n.o" 2> "$OUTDIR/src/$n.log" || { cat "$OUTDIR/src/$n.log"; exit 255; }'
+# The stamps first (they hash the sources, not the objects), and each object under its name
+# only once whole: a build still under way can be carried to the device, whose build links
+# the objects there and compiles the rest (a 2-core machine takes 1-2 hours for all 120).
 for family in $FAMILIES; do
   cmake -DSTAMP=$family -DCUTLASS_ROOT="$ROOT" -P $HERE/kernels.cmake 2>&1 > /dev/null | head -1 > "$OUTDIR/$family.sha256"
 done
+find "$OUTDIR/src" -name "*.cu" | xargs -r -P "$JOBS" -I{} bash -c \
+  'n=$(basename {} .cu); nvcc $FLAGS -I"$ROOT/include" -I"$ROOT/tools/util/include" -I$HERE -Iffi -c {} -o "$OUTDIR/src/$n.o.part" 2> "$OUTDIR/src/$n.log" && mv "$OUTDIR/src/$n.o.part" "$OUTDIR/$n.o" || { cat "$OUTDIR/src/$n.log"; exit 255; }'
+
 echo "built $(ls "$OUTDIR"/cutlass_*.o | wc -l) kernel objects in $OUTDIR (stamps: $(cat "$OUTDIR"/*.sha256 | tr '\n' ' '))"
