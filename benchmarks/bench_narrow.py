@@ -150,14 +150,18 @@ def main():
                         print(f"| {text} | {dtype} | {act} | {rec['speedup']:.3f} | {rec['speedup_wall']:.3f} | "
                               f"{dev['plain']:.3f} | {dev['ours']:.3f} |{cols}", flush=True)  # fmt: skip
                     records.append(rec)
+                    _write(args.json, ab, records)  # (after every cell: a call cut off keeps what it measured)
     for mode in args.modes.split(","):
         rs = [r for r in records if r["mode"] == mode]
         keys = ["speedup", "speedup_wall"] + (["speedup_wall_donated"] if mode == "step" else [])
         geo = {k: float(np.exp(np.mean([np.log(r[k]) for r in rs]))) for k in keys}
         print(f"{mode}: geo-mean " + ", ".join(f"{k} {v:.3f}" for k, v in geo.items())
               + "; lowest " + ", ".join(f"{k} {min(r[k] for r in rs):.3f}" for k in keys))
-    if args.json:
-        with open(args.json, "w") as f:
+
+
+def _write(path, ab, records):
+    if path:
+        with open(path, "w") as f:
             json.dump(dict(device=jax.devices()[0].device_kind, jax=jax.__version__, baseline="plain.py",
                            ab={n: f"{v}={val}" for n, v, val in ab}, records=records), f, indent=1)  # fmt: skip
 
