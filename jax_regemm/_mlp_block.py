@@ -21,7 +21,7 @@ from . import _ffi
 from ._backward import one_buffer
 from ._epilogues import DactSpec, DgradDactSpec, bias_grad, dact, dgrad_dact
 from ._fused import fused, matmul
-from ._primitive import define, explicit, same_varying_axes
+from ._primitive import define, explicit, fold_rows, same_varying_axes, unfold_rows
 from ._programs import lin_ref, residual_kind
 
 
@@ -165,16 +165,9 @@ def _mlp_lin_batch(args, dims, *, spec):
     if all(d is None for d, r in zip(dims, rows) if not r):
         # Weights shared by the batch (vmap over examples): the batch folds into M, so the
         # backward stays the folded one, with batch x M rows.
-        size = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
-        flat = []
-        for x, d, r in zip(args, dims, rows):
-            if r:
-                x = jnp.broadcast_to(x, (size,) + x.shape) if d is None else jnp.moveaxis(x, d, 0)
-                m = x.shape[1]  # the same for every row operand
-                x = x.reshape((size * m,) + x.shape[2:])
-            flat.append(x)
+        flat, size = fold_rows(args, dims, rows)
         (out,) = _mlp_lin_p.bind(*flat, spec=spec)
-        return [out.reshape((size, m) + out.shape[1:])], [0]
+        return [unfold_rows(out, size)], [0]
     outs = jax.vmap(partial(_mlp_lin_ref, spec=spec), in_axes=tuple(dims))(*args)
     return outs, [0] * len(outs)
 

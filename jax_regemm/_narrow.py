@@ -30,7 +30,7 @@ import numpy as np
 from jax.interpreters import ad, batching
 
 from . import _env, _ffi, _mlp_block, _partition, reference
-from ._primitive import define, explicit, same_varying_axes
+from ._primitive import define, explicit, fold_rows, same_varying_axes, unfold_rows
 from ._targets import NARROW_MLP, NARROW_MLP_BWD
 
 WIDTHS = (16, 32, 64, 128)  # the hidden widths the kernels are compiled for
@@ -203,17 +203,10 @@ def _fold_batch(p, ref, rows_in, rows_out):
         if per_example or any(d is not None for d, r in zip(dims, rows) if not r):
             outs = jax.vmap(partial(ref, nspec=nspec, **params), in_axes=tuple(dims))(*args)
             return outs, [0] * len(outs)
-        size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
-        flat = []
-        for a, d, r in zip(args, dims, rows):
-            if r:
-                a = jnp.broadcast_to(a, (size,) + a.shape) if d is None else jnp.moveaxis(a, d, 0)
-                a = a.reshape((size * a.shape[1],) + a.shape[2:])
-            flat.append(a)
+        flat, size = fold_rows(args, dims, rows)
         outs = p.bind(*flat, nspec=nspec, **params)
         out_rows = rows_out(nspec, **params)
-        return [o.reshape((size, o.shape[0] // size) + o.shape[1:]) if r else o for o, r in zip(outs, out_rows)], [
-            0 if r else None for r in out_rows]  # fmt: skip
+        return [unfold_rows(o, size) if r else o for o, r in zip(outs, out_rows)], [0 if r else None for r in out_rows]
 
     return batch
 

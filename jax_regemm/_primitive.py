@@ -49,6 +49,25 @@ def sum_to(x, shape):
     return jnp.sum(x, axis=axes, keepdims=True) if axes else x
 
 
+def fold_rows(args, dims, rows):
+    """A vmap over shared weights as more rows: each operand where `rows` is true (its leading
+    dim is the rows) with the batch (its dim in `dims`, or broadcast where None) folded into its
+    rows; the others as they are. Returns (operands, batch size); `unfold_rows` undoes it."""
+    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+    flat = []
+    for a, d, r in zip(args, dims, rows):
+        if r:
+            a = jnp.broadcast_to(a, (size,) + a.shape) if d is None else jnp.moveaxis(a, d, 0)
+            a = a.reshape((size * a.shape[1],) + a.shape[2:])
+        flat.append(a)
+    return flat, size
+
+
+def unfold_rows(x, size):
+    """x [size * M, ...] as [size, M, ...]: a result of operands folded by `fold_rows`."""
+    return x.reshape((size, x.shape[0] // size) + x.shape[1:])
+
+
 def explicit(aval):
     """aval's sharding where shardings are types (its mesh, or the context mesh, has Explicit axes:
     a weight made outside the mesh has an unsharded type there), the type to give its gradient;
