@@ -124,7 +124,8 @@ def test_mlp_backward_writes_gz_over_s(monkeypatch, act, save, dtype, per_layer,
     for a, b in zip(jax.tree.leaves(g_on), jax.tree.leaves(g_off)):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
     f32 = jax.tree.map(lambda a: a.astype(jnp.float32), (x, ws, bs))
-    gr = jax.grad(lambda *a: jnp.sum(rg.reference.mlp(*a, act=act, precision=HI) ** 2), argnums=(0, 1, 2))(*f32)
+    # (jitted: op by op at 2^24-element layers the reference took 2 minutes of the GPU suite)
+    gr = jax.jit(jax.grad(lambda *a: jnp.sum(rg.reference.mlp(*a, act=act, precision=HI) ** 2), argnums=(0, 1, 2)))(*f32)
     # Four layers deep at the default precision (bf16, TF32): relu's mask flips where Z rounds
     # across 0 (f32 relu's gradient of x 1.7e-2 on the H100); an S overwritten early is O(1).
     for a, b in zip(jax.tree.leaves(g_on), jax.tree.leaves(gr)):
