@@ -111,10 +111,23 @@ def test_every_hidden_activation(narrow, rand, act):
     check(rand.normal((777, 24), jnp.bfloat16), ws, bs, act, "none", slope=0.2)
 
 
+def off_the_kinks(x, ws, bs, act, delta=1e-2):
+    """x's rows whose every output z is at least delta from 0 (in the float32 chain): a kinked
+    output activation's gradient jumps there, so one ulp of h (f16's 1e-3) decides its value, and
+    a few such rows of 513 moved gx by 1-3% whichever program computed it (the reference against
+    the float32 chain too, so `assert_close`'s bound is luck there, not tolerance)."""
+    z = rg.reference.mlp(*f32((x, ws, bs)), act=act, final_act="none", precision=HI)
+    return x[np.asarray(jnp.min(jnp.abs(z), axis=-1) > delta)]
+
+
 @pytest.mark.parametrize("final_act", ACTS)
 def test_every_output_activation(narrow, rand, final_act):
     ws, bs = block(rand, [16, 64, 64, 24], jnp.float16)
-    check(rand.normal((513, 16), jnp.float16), ws, bs, "gelu", final_act, slope=0.3)
+    x = rand.normal((513, 16), jnp.float16)
+    if final_act in ("relu", "leaky_relu"):
+        x = off_the_kinks(x, ws, bs, "gelu")
+        assert x.shape[0] > 256, x.shape
+    check(x, ws, bs, "gelu", final_act, slope=0.3)
 
 
 @pytest.mark.parametrize("m,k0,n_out", [(1, 3, 1), (15, 1, 3), (4097, 33, 17), (300, 200, 128), (64, 8, 127)])
