@@ -94,11 +94,11 @@ def chosen(spec: _mlp_block.MlpSpec, x, weights, save) -> NarrowSpec | None:
 
 def fused_forward_wins(nspec, x) -> bool:
     """Whether the fused forward beats the per-layer program (XLA's GEMMs at these widths), as
-    measured on an H200 (bf16 relu; the kernel's device time, tools/narrow_bench.cu, against the
-    plain program's, benchmarks/results/h200_narrow.md): widths 16-64 from 2^16 rows (64 wide:
-    19.6 us against 26 at 2^16, 2.1-2.5x from 2^18); 128 wide from 2^18 rows (1.7-1.9x), where at
-    2^16 the weight load (18 us of 42) leaves it level with plain's 45 us."""
-    return x.shape[0] >= (2**16 if nspec.width <= 64 else 2**18)
+    measured on an H200 (bf16 relu, plain / fused device time in one process, benchmarks/results/
+    h200_narrow.md): from 2^16 rows at every width, 1.44-1.53x at 2^16 rows (16 and 64 wide), 1.08x
+    at 2^16 x 128 (where the weight load is 18 us of 41), 1.63-2.53x from 2^18. Fewer rows are not
+    measured."""
+    return x.shape[0] >= 2**16
 
 
 def fused_backward_wins(nspec, x) -> bool:
