@@ -34,8 +34,10 @@ static float bf(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
 struct Cell { int64_t m; int k0, width, hidden, out; Act act; bool bwd; };
 
 // The forward's weight load alone (what each block of the persistent grid does before its
-// first row): the fixed cost per call that small M exposes.
-__global__ void __launch_bounds__(512) load_only(const narrow::Params p, int* sink) {
+// first row): the fixed cost per call that small M exposes. One kernel per block size, as the
+// forward's (resident_blocks caches a kernel's occupancy by its shared memory alone).
+template <int WARPS>
+__global__ void __launch_bounds__(WARPS * 32) load_only(const narrow::Params p, int* sink) {
   extern __shared__ __align__(16) char smem[];
   narrow::load_weights<T>(p, smem);
   __syncthreads();
@@ -134,10 +136,17 @@ static bool run(const Cell& c) {
   if (std::getenv("NARROW_LOAD_ONLY")) {  // the weight load alone: one wave of blocks, so about one block's load
     int resident = 0, *sink = nullptr;
     CHECK(cudaMalloc(&sink, sizeof(int)));
+    const bool wide = narrow::fwd_warps(c.width) == 16;
+    static_assert(narrow::fwd_warps(128) == 16 && narrow::fwd_warps(64) == narrow::kWarps, "the forward's block sizes");
+    const void* kernel = wide ? reinterpret_cast<const void*>(&load_only<16>)
+                              : reinterpret_cast<const void*>(&load_only<narrow::kWarps>);
     const int threads = narrow::fwd_warps(c.width) * 32;
-    CHECK(narrow::resident_blocks(reinterpret_cast<const void*>(&load_only), smem, &resident, threads));
+    CHECK(narrow::resident_blocks(kernel, smem, &resident, threads));
     CHECK(cudaEventRecord(e0));
-    for (int i = 0; i < iters; ++i) load_only<<<resident, threads, smem>>>(p, sink);
+    for (int i = 0; i < iters; ++i) {
+      if (wide) load_only<16><<<resident, threads, smem>>>(p, sink);
+      else load_only<narrow::kWarps><<<resident, threads, smem>>>(p, sink);
+    }
     CHECK(cudaEventRecord(e1));
     CHECK(cudaEventSynchronize(e1));
     float lms = 0;
