@@ -130,7 +130,7 @@ ffi::Error backward(cudaStream_t stream, ffi::AnyBuffer x, ffi::RemainingArgs ar
   const int smem = plan_bwd(p, s.width, 2, &bp);
   int limit = 0;
   REGEMM_CUDA_CHECK(max_smem(&limit));
-  if (smem > limit) return bad("narrow MLP backward: does not fit in shared memory");
+  if (smem < 0 || smem > limit) return bad("narrow MLP backward: the kernel does not take this stack (width, depth or shared memory)");
   auto ws = ret(2 * layers + 1);
   bp.partial = static_cast<float*>(ws->untyped_data());
   REGEMM_CUDA_CHECK(by_dtype(s.dtype, [&](auto t) { return bwd_blocks<decltype(t)>(p, s.width, bp, &bp.blocks); }));

@@ -1,33 +1,50 @@
-// The fused narrow MLP's backward (narrow_mlp.cuh has the design): per block of 64 rows (a
-// 16-row tile per warp), recompute the forward on chip keeping each layer's input H_l and
-// act'(z_l) in shared memory, then walk down the stack: gZ_l = gH_l * act'(z_l), dW_l += H_l^T
-// gZ_l and db_l += sum gZ_l over the block's rows (f32, shared memory), gH_{l-1} = gZ_l W_l^T.
-// The weight-gradient products reduce over rows, across the four warps' tiles: each warp owns
-// fixed output tiles of dW and adds the same rows in the same order on every run, so the
-// gradients are deterministic; a second kernel sums the blocks' partial sums in block order.
+// The fused narrow MLP's backward (narrow_mlp.cuh has the design). A block of 8 warps takes
+// 128 rows at a time, a 16-row tile per warp. It recomputes the forward of its rows on chip,
+// keeping each layer's input in shared memory: x, then each hidden layer's z, from which both
+// act(z) and act'(z) follow (one buffer per layer where h and act'(z) took two). Then it walks
+// down the stack. At layer l a warp holds gZ_l in registers, in the A-operand layout the
+// forward uses for h, forms gH_{l-1} = gZ_l W_l^T, reads z_{l-1}, and leaves gZ_{l-1} =
+// gH_{l-1} * act'(z_{l-1}) in registers and in shared memory and h_{l-1} = act(z_{l-1}) over
+// z_{l-1}; after one barrier the block's warps add dW_l += H_{l-1}^T gZ_l over its 128 rows.
+// The weight-gradient tiles (16 x 16) are dealt to the warps in turn and summed in registers
+// over every row the block takes: no sums in shared memory (they took 61 KB at 64 x 4 hidden
+// and held the kernel to one block of 4 warps an SM). Each warp adds the same rows in the same
+// order on every run and a second kernel sums the blocks' partial sums in block order, so the
+// gradients are deterministic.
 #pragma once
 
 #include "narrow_mlp.cuh"
 
 namespace regemm::narrow {
 
+constexpr int kBwdWarps = 8;  // a block of the backward: 128 rows a chunk
+// The dW tiles (16 x 16, f32: 8 registers a lane) a warp keeps, by width: the block keeps
+// kBwdWarps times as many, which bounds the stacks the kernel takes (64 wide: 80 tiles, 4
+// hidden layers with K0 and N_out up to 64). 128 wide takes the per-layer backward.
+constexpr int dw_tiles(int width) { return width <= 16 ? 4 : width <= 32 ? 6 : 10; }
+// Blocks an SM the registers are bounded for: at 64 wide one (221 registers a thread); under it
+// two, so that 16 warps hide the latency of their short MMA chains (at one block of 8 warps
+// 32 x 3 hidden took 468 us at 2^20 rows, 14% slower than 3 blocks of 4 warps).
+constexpr int bwd_min_blocks(int width) { return width <= 32 ? 2 : 1; }
+inline bool bwd_width_ok(int width) { return width == 16 || width == 32 || width == 64; }
+
 struct BwdParams {
   const void* gy;                // [M, N_out]
   void* gx;                      // [M, K0]; null: not wanted
   float* partial;                // the workspace: per block, every layer's dW sums (fragment order), then db
-  void* gw[kMaxLayers];          // [K, N] ([N, K] where w_transposed); null: not wanted
+  void* gw[kMaxLayers];          // [K, N] ([N, K] where w_transposed); null (all of them): not wanted
   void* gb[kMaxLayers];          // [N]; null: not wanted
   // One warp's region of shared memory (at warps_off + warp * warp_bytes), byte offsets:
-  int h_off[kMaxLayers];         //   H_l [16][kp_l + kPad] T, the input of layer l
-  int d_off[kMaxLayers];         //   D_l [16][W + kPad] T, act'(z_l) of hidden layer l
-  int g_off[2];                  //   gZ, ping-pong [16][g_stride] T
+  int h_off[kMaxLayers];         //   H_l [16][kp_l + kPad] T, layer l's input: x, else z_{l-1} (then h_{l-1})
+  int g_off[3];                  //   gZ, three in turn [16][g_stride] T (one barrier a layer)
   int g_stride;
   int warp_bytes, warps_off;
-  // The block's sums (f32, at sums_off): dW of every layer in MMA fragment order (dw_off[l]
-  // floats in), then one row of db sums per warp (db_off[l] floats into a row of db_floats).
+  // The dW tiles of layer l are [tile0[l], tile0[l+1]) (kt-major over the layer's kp/16 x np/16),
+  // tile t kept by warp t % kBwdWarps; partial sums in fragment order (dw_off[l] floats in).
+  int tile0[kMaxLayers + 1];
   int dw_off[kMaxLayers], db_off[kMaxLayers];
   int dw_floats, db_floats;
-  int sums_off;
+  int sums_off;                  // the warps' db sums (f32): a row of db_floats per warp
   int smem_bytes;
   int blocks;  // the persistent grid: how many partial sums the reduction adds
 };
@@ -49,11 +66,51 @@ __device__ __forceinline__ float2 column_sums(float v0, float v1, float v2, floa
   return make_float2(s0, s1);
 }
 
-// A hidden layer's epilogue in the recompute: z = acc + bias; h = act(z) to the next layer's A
-// operand and to H_{l+1}; act'(z) to D_l.
+// db[c] += the sums over a 16-row tile's rows of its 8 * NT columns, from each lane's sums of
+// its two rows (v[2j + h]: column j * 8 + 2q + h). A reduce-scatter over the eight lanes of a
+// column pair: each exchange hands half of the values to the partner lane and keeps the other
+// half summed, so 2 * NT values take 14 shuffles at NT = 8 where a butterfly per column pair
+// took 48; at the end lane (g, q) holds whole column sums and every lane adds its own.
+template <int N, int M>
+__device__ __forceinline__ void reduce_scatter(float* v, int lane, int& base, bool& dup) {
+  if constexpr (M >= 4) {
+    const bool upper = (lane & M) != 0;
+    if constexpr (N > 1) {
+#pragma unroll
+      for (int i = 0; i < N / 2; ++i) {
+        const float give = upper ? v[i] : v[i + N / 2], keep = upper ? v[i + N / 2] : v[i];
+        v[i] = keep + __shfl_xor_sync(0xffffffffu, give, M);
+      }
+      if (upper) base += N / 2;
+      reduce_scatter<N / 2, M / 2>(v, lane, base, dup);
+    } else {
+      v[0] += __shfl_xor_sync(0xffffffffu, v[0], M);
+      dup = dup || upper;
+      reduce_scatter<N, M / 2>(v, lane, base, dup);
+    }
+  }
+}
+
+template <int NT>
+__device__ __forceinline__ void add_column_sums(float (&v)[2 * NT], float* db, int lane) {
+  constexpr int n = 2 * NT >= 8 ? 2 * NT / 8 : 1;  // the sums a lane is left with
+  int base = 0;
+  bool dup = false;  // (past the halving: partner lanes hold the same sums, the lower one adds)
+  reduce_scatter<2 * NT, 16>(v, lane, base, dup);
+  if (dup) return;
+  const int q = lane & 3;
+#pragma unroll
+  for (int i = 0; i < n; ++i) {
+    const int idx = base + i, c = (idx >> 1) * 8 + 2 * q + (idx & 1);
+    db[c] += v[i];
+  }
+}
+
+// A hidden layer's epilogue in the recompute: z = acc + bias, rounded, to Z (for the way
+// down); h = act(z) to the next layer's A operand.
 template <class T, Act A, int NT>
 __device__ __forceinline__ void epilogue_keep(uint32_t (&a)[1][NT / 2][4], const float (&acc)[1][NT][4],
-                                              const float* bias, float slope, T* h, T* d, int lane) {
+                                              const float* bias, float slope, T* z_out, int lane) {
   const int g = lane >> 2, q = lane & 3;
   constexpr int stride = NT * 8 + kPad;
 #pragma unroll
@@ -62,14 +119,10 @@ __device__ __forceinline__ void epilogue_keep(uint32_t (&a)[1][NT / 2][4], const
     const float b0 = bias[c], b1 = bias[c + 1];
     const float* v = acc[0][j];
     const float z0 = v[0] + b0, z1 = v[1] + b1, z2 = v[2] + b0, z3 = v[3] + b1;
-    const uint32_t lo = Elem<T>::pack(act<A>(z0, slope), act<A>(z1, slope));
-    const uint32_t hi = Elem<T>::pack(act<A>(z2, slope), act<A>(z3, slope));
-    a[0][j / 2][(j & 1) * 2 + 0] = lo;
-    a[0][j / 2][(j & 1) * 2 + 1] = hi;
-    st_pair(h, stride, g, c, lo);
-    st_pair(h, stride, g + 8, c, hi);
-    st_pair(d, stride, g, c, Elem<T>::pack(act_grad<float, FastMath>(A, z0, slope), act_grad<float, FastMath>(A, z1, slope)));
-    st_pair(d, stride, g + 8, c, Elem<T>::pack(act_grad<float, FastMath>(A, z2, slope), act_grad<float, FastMath>(A, z3, slope)));
+    a[0][j / 2][(j & 1) * 2 + 0] = Elem<T>::pack(act<A>(z0, slope), act<A>(z1, slope));
+    a[0][j / 2][(j & 1) * 2 + 1] = Elem<T>::pack(act<A>(z2, slope), act<A>(z3, slope));
+    st_pair(z_out, stride, g, c, Elem<T>::pack(z0, z1));
+    st_pair(z_out, stride, g + 8, c, Elem<T>::pack(z2, z3));
   }
 }
 
@@ -110,53 +163,59 @@ __device__ __forceinline__ void output_grad(const Params& p, const BwdParams& bp
   }
 }
 
-// dW_l += H_l^T gZ_l over the block's 64 rows: the (16 x 16) output tiles dealt to the warps in
-// turn, each summing the four warps' rows in warp order into the block's f32 sums.
-template <class T>
-__device__ __forceinline__ void weight_grad(const Params& p, const BwdParams& bp, char* smem, int l, int slot,
-                                            int warp, int lane) {
+// dW_l += H_l^T gZ_l over the block's 128 rows, into the warp's tiles of layer l (those of the
+// warp's TILES slots that fall in [tile0[l], tile0[l+1]); the slot index is static, so the
+// sums stay in registers), adding the warps' rows in warp order.
+template <class T, int TILES>
+__device__ __forceinline__ void weight_grad(float (&dw)[TILES][2][4], const Params& p, const BwdParams& bp,
+                                            const char* smem, int l, int slot, int warp, int lane) {
   const Layer& L = p.layer[l];
-  const int hs = L.kp + kPad, nt16 = L.np / 16, tiles = (L.kp / 16) * nt16;
-  float* sums = reinterpret_cast<float*>(smem + bp.sums_off) + bp.dw_off[l];
+  const int hs = L.kp + kPad, nt16 = L.np / 16, t0 = bp.tile0[l], t1 = bp.tile0[l + 1];
   const int i = lane >> 3, j = lane & 7;
-  // Four tiles at a time (eight independent MMAs in flight).
-  constexpr int kTiles = 4;
-  for (int t0 = warp * kTiles; t0 < tiles; t0 += kWarps * kTiles) {
-    float acc[kTiles][2][4] = {};
 #pragma unroll
-    for (int w = 0; w < kWarps; ++w) {
-      const char* region = smem + bp.warps_off + w * bp.warp_bytes;
-      const T* h = reinterpret_cast<const T*>(region + bp.h_off[l]);
-      const T* gz = reinterpret_cast<const T*>(region + bp.g_off[slot]);
-      uint32_t af[kTiles][4], bf[kTiles][4];
+  for (int s = 0; s < TILES; ++s) {
+    const int t = s * kBwdWarps + warp;
+    if (t < t0 || t >= t1) continue;  // (uniform over the warp)
+    const int mt = (t - t0) / nt16, nt = (t - t0) % nt16;
+    // A' = H^T (k_in x rows): matrices (k_in block i & 1, row block i >> 1), transposed.
+    // B' = gZ (rows x n): matrices (n block i >> 1, row block i & 1), transposed.
+    const char* region = smem + bp.warps_off;
+    const int a_off = bp.h_off[l] + (((i >> 1) * 8 + j) * hs + mt * 16 + (i & 1) * 8) * int(sizeof(T));
+    const int b_off = bp.g_off[slot] + (((i & 1) * 8 + j) * bp.g_stride + nt * 16 + (i >> 1) * 8) * int(sizeof(T));
+    // The odd warps' rows into a second sum, added at the end: four MMA chains, not two (a
+    // chain of 8 dependent MMAs per accumulator left the warps waiting on the tensor pipe's
+    // latency).
+    float odd[2][4] = {};
 #pragma unroll
-      for (int u = 0; u < kTiles; ++u) {
-        const int t = t0 + u < tiles ? t0 + u : t0;  // (past the end: a repeat, not stored)
-        const int mt = t / nt16, nt = t % nt16;
-        // A' = H^T (k_in x rows): matrices (k_in block i & 1, row block i >> 1), transposed.
-        ldmatrix_x4_trans(af[u], h + ((i >> 1) * 8 + j) * hs + mt * 16 + (i & 1) * 8);
-        // B' = gZ (rows x n): matrices (n block i >> 1, row block i & 1), transposed.
-        ldmatrix_x4_trans(bf[u], gz + ((i & 1) * 8 + j) * bp.g_stride + nt * 16 + (i >> 1) * 8);
-      }
-#pragma unroll
-      for (int u = 0; u < kTiles; ++u) {
-        Elem<T>::mma(acc[u][0], af[u], bf[u][0], bf[u][1]);
-        Elem<T>::mma(acc[u][1], af[u], bf[u][2], bf[u][3]);
-      }
+    for (int w = 0; w < kBwdWarps; ++w) {
+      uint32_t af[4], bf[4];
+      ldmatrix_x4_trans(af, region + w * bp.warp_bytes + a_off);
+      ldmatrix_x4_trans(bf, region + w * bp.warp_bytes + b_off);
+      float(&d)[2][4] = w & 1 ? odd : dw[s];
+      Elem<T>::mma(d[0], af, bf[0], bf[1]);
+      Elem<T>::mma(d[1], af, bf[2], bf[3]);
     }
 #pragma unroll
-    for (int u = 0; u < kTiles; ++u) {
-      const int t = t0 + u;
-      if (t >= tiles) break;
-      const int mt = t / nt16, nt = t % nt16;
+    for (int i = 0; i < 8; ++i) dw[s][i / 4][i % 4] += odd[i / 4][i % 4];
+  }
+}
+
+// The warp's dW tiles to the block's partial sums, in fragment order.
+template <int TILES>
+__device__ __forceinline__ void store_weight_grad(const float (&dw)[TILES][2][4], const Params& p,
+                                                  const BwdParams& bp, float* part, int warp, int lane) {
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        float4* s = reinterpret_cast<float4*>(sums + ((mt * (L.np / 8) + nt * 2 + h) * 32 + lane) * 4);
-        float4 v = *s;
-        v.x += acc[u][h][0]; v.y += acc[u][h][1]; v.z += acc[u][h][2]; v.w += acc[u][h][3];
-        *s = v;
-      }
-    }
+  for (int s = 0; s < TILES; ++s) {
+    const int t = s * kBwdWarps + warp;
+    if (t >= bp.tile0[p.layers]) break;
+    int l = 0;
+    while (t >= bp.tile0[l + 1]) ++l;
+    const Layer& L = p.layer[l];
+    const int mt = (t - bp.tile0[l]) / (L.np / 16), nt = (t - bp.tile0[l]) % (L.np / 16);
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+      *reinterpret_cast<float4*>(part + bp.dw_off[l] + ((mt * (L.np / 8) + nt * 2 + h) * 32 + lane) * 4) =
+          make_float4(dw[s][h][0], dw[s][h][1], dw[s][h][2], dw[s][h][3]);
   }
 }
 
@@ -173,31 +232,71 @@ __device__ __forceinline__ void wt_operand_trans(uint32_t (&b)[4], const T* wt, 
   ldmatrix_x4_trans(b, wt + (kt * 16 + ((lane >> 3) & 1) * 8 + (lane & 7)) * stride + j * 16 + (lane >> 4) * 8);
 }
 
+// gZ_{l-1} = (gZ_l W_l^T) * act'(z_{l-1}) for a hidden layer l-1 (acc holds gZ_l W_l^T): to
+// the A operand `ga` (the next dgrad's), to the gZ buffer `out` and the warp's bias sums; and
+// h_{l-1} = act(z_{l-1}) over z_{l-1} in H (dW_l's operand).
+template <class T, Act A, int W>
+__device__ __forceinline__ void hidden_grad(uint32_t (&ga)[W / 16][4], const float (&acc)[1][W / 8][4], T* h,
+                                            T* out, int g_stride, float* db, float slope, int lane) {
+  constexpr int NT = W / 8, WS = W + kPad;
+  const int g = lane >> 2, q = lane & 3;
+  float sums[2 * NT];
+#pragma unroll
+  for (int j = 0; j < NT; ++j) {
+    const int c = j * 8 + 2 * q;
+    const float2 z0 = Elem<T>::unpack(*reinterpret_cast<const uint32_t*>(h + g * WS + c));
+    const float2 z1 = Elem<T>::unpack(*reinterpret_cast<const uint32_t*>(h + (g + 8) * WS + c));
+    st_pair(h, WS, g, c, Elem<T>::pack(act<A>(z0.x, slope), act<A>(z0.y, slope)));
+    st_pair(h, WS, g + 8, c, Elem<T>::pack(act<A>(z1.x, slope), act<A>(z1.y, slope)));
+    const float* v = acc[0][j];
+    const float g0 = v[0] * act_grad<float, FastMath>(A, z0.x, slope);
+    const float g1 = v[1] * act_grad<float, FastMath>(A, z0.y, slope);
+    const float g2 = v[2] * act_grad<float, FastMath>(A, z1.x, slope);
+    const float g3 = v[3] * act_grad<float, FastMath>(A, z1.y, slope);
+    const uint32_t lo = Elem<T>::pack(g0, g1), hi = Elem<T>::pack(g2, g3);
+    ga[j / 2][(j & 1) * 2 + 0] = lo;
+    ga[j / 2][(j & 1) * 2 + 1] = hi;
+    st_pair(out, g_stride, g, c, lo);
+    st_pair(out, g_stride, g + 8, c, hi);
+    sums[2 * j] = g0 + g2;
+    sums[2 * j + 1] = g1 + g3;
+  }
+  add_column_sums<NT>(sums, db, lane);
+}
+
 template <class T, int W, Act HID>
-__global__ void __launch_bounds__(kWarps * 32, 1) narrow_mlp_bwd(const Params p, const BwdParams bp) {
+__global__ void __launch_bounds__(kBwdWarps * 32, bwd_min_blocks(W)) narrow_mlp_bwd(const Params p, const BwdParams bp) {
   extern __shared__ __align__(16) char smem[];
+  constexpr int NT = W / 8, KT = W / 16, WS = W + kPad, TILES = dw_tiles(W);
   load_weights<T>(p, smem);
   {
     float* sums = reinterpret_cast<float*>(smem + bp.sums_off);
-    for (int i = threadIdx.x; i < bp.dw_floats + kWarps * bp.db_floats; i += blockDim.x) sums[i] = 0.f;
+    for (int i = threadIdx.x; i < kBwdWarps * bp.db_floats; i += blockDim.x) sums[i] = 0.f;
   }
   __syncthreads();
-  constexpr int NT = W / 8, KT = W / 16, WS = W + kPad;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, q = lane & 3;
   char* region = smem + bp.warps_off + warp * bp.warp_bytes;
-  float* db = reinterpret_cast<float*>(smem + bp.sums_off) + bp.dw_floats + warp * bp.db_floats;
+  auto H = [&](int l) { return reinterpret_cast<T*>(region + bp.h_off[l]); };
+  auto G = [&](int l) { return reinterpret_cast<T*>(region + bp.g_off[l % 3]); };
+  float* db = reinterpret_cast<float*>(smem + bp.sums_off) + warp * bp.db_floats;
   const T* x = static_cast<const T*>(p.x);
   const int k0 = p.layer[0].k, top = p.layers - 1;
-  const int64_t chunks = (p.m + 16 * kWarps - 1) / (16 * kWarps);
+  const bool want_dw = bp.gw[0] != nullptr;
+  float dw[TILES][2][4];
+#pragma unroll
+  for (int s = 0; s < TILES; ++s)
+#pragma unroll
+    for (int i = 0; i < 8; ++i) dw[s][i / 4][i % 4] = 0.f;
+  const int64_t chunks = (p.m + 16 * kBwdWarps - 1) / (16 * kBwdWarps);
   for (int64_t ch = blockIdx.x; ch < chunks; ch += gridDim.x) {
-    const int64_t row0 = ch * 16 * kWarps + warp * 16;
+    const int64_t row0 = ch * 16 * kBwdWarps + warp * 16;
     float acc[1][NT][4];
     uint32_t a[1][KT][4];
-    // The forward, keeping H_l and act'(z_l). Layer 0 reads x, one k tile at a time, into H_0.
+    // The forward, keeping x and each z. Layer 0 reads x, one k tile at a time, into H_0.
     {
       const Layer& L = p.layer[0];
-      T* h0 = reinterpret_cast<T*>(region + bp.h_off[0]);
+      T* h0 = H(0);
       const int hs = L.kp + kPad;
       zero(acc);
       for (int kt = 0; kt < L.kp / 16; ++kt) {
@@ -213,78 +312,69 @@ __global__ void __launch_bounds__(kWarps * 32, 1) narrow_mlp_bwd(const Params p,
         st_pair(h0, hs, g + 8, c + 8, ax[0][0][3]);
         mma_tile<T, 1, 1, NT>(acc, ax, reinterpret_cast<const T*>(smem + L.w_off) + kt * 16, hs, lane);
       }
-      epilogue_keep<T, HID, NT>(a, acc, reinterpret_cast<const float*>(smem + L.b_off), p.slope,
-                                reinterpret_cast<T*>(region + bp.h_off[1]), reinterpret_cast<T*>(region + bp.d_off[0]),
-                                lane);
+      epilogue_keep<T, HID, NT>(a, acc, reinterpret_cast<const float*>(smem + L.b_off), p.slope, H(1), lane);
     }
     for (int l = 1; l < top; ++l) {
       const Layer& L = p.layer[l];
       zero(acc);
       mma_tile<T, 1, KT, NT>(acc, a, reinterpret_cast<const T*>(smem + L.w_off), WS, lane);
-      epilogue_keep<T, HID, NT>(a, acc, reinterpret_cast<const float*>(smem + L.b_off), p.slope,
-                                reinterpret_cast<T*>(region + bp.h_off[l + 1]),
-                                reinterpret_cast<T*>(region + bp.d_off[l]), lane);
+      epilogue_keep<T, HID, NT>(a, acc, reinterpret_cast<const float*>(smem + L.b_off), p.slope, H(l + 1), lane);
     }
-    // gZ of the output layer.
-    {
-      T* gz = reinterpret_cast<T*>(region + bp.g_off[top & 1]);
-      float* dbl = db + bp.db_off[top];
-      switch (p.act_out) {
+    // gZ of the output layer, to shared memory (its width is any up to 128).
+    switch (p.act_out) {
 #define REGEMM_NARROW_OUT(A) \
-  case A: output_grad<T, A, W>(p, bp, smem, a, row0, gz, dbl, lane); break;
-        REGEMM_NARROW_OUT(Act::kNone) REGEMM_NARROW_OUT(Act::kRelu) REGEMM_NARROW_OUT(Act::kLeakyRelu)
-        REGEMM_NARROW_OUT(Act::kGelu) REGEMM_NARROW_OUT(Act::kGeluErf) REGEMM_NARROW_OUT(Act::kSigmoid)
-        REGEMM_NARROW_OUT(Act::kTanh) REGEMM_NARROW_OUT(Act::kSilu)
+  case A: output_grad<T, A, W>(p, bp, smem, a, row0, G(top), db + bp.db_off[top], lane); break;
+      REGEMM_NARROW_OUT(Act::kNone) REGEMM_NARROW_OUT(Act::kRelu) REGEMM_NARROW_OUT(Act::kLeakyRelu)
+      REGEMM_NARROW_OUT(Act::kGelu) REGEMM_NARROW_OUT(Act::kGeluErf) REGEMM_NARROW_OUT(Act::kSigmoid)
+      REGEMM_NARROW_OUT(Act::kTanh) REGEMM_NARROW_OUT(Act::kSilu)
 #undef REGEMM_NARROW_OUT
-      }
     }
-    // Down the stack.
+    __syncwarp();  // (the warp's gZ_top, read back below as an A operand)
+    // Down the stack: ga holds gZ_l (below the top) as the A operand of gZ_l W_l^T.
+    uint32_t ga[KT][4];
     for (int l = top; l >= 0; --l) {
-      __syncthreads();  // every warp's gZ_l is in place (and, at l = top, its H)
-      if (bp.gw[0] != nullptr) weight_grad<T>(p, bp, smem, l, l & 1, warp, lane);
       const Layer& L = p.layer[l];
-      const T* gz = reinterpret_cast<const T*>(region + bp.g_off[l & 1]);
       const T* wt = reinterpret_cast<const T*>(smem + L.w_off);
       const int wts = L.kp + kPad;
       if (l > 0) {  // gZ_{l-1} = (gZ_l W_l^T) * act'(z_{l-1})
         zero(acc);
-        for (int kt = 0; kt < L.np / 16; ++kt) {
-          uint32_t af[4], b[KT][4];
-          gz_operand(af, gz, bp.g_stride, kt, lane);
+        if (l == top) {
+          const T* gz = G(top);
+          for (int kt = 0; kt < L.np / 16; ++kt) {
+            uint32_t af[4], b[KT][4];
+            gz_operand(af, gz, bp.g_stride, kt, lane);
 #pragma unroll
-          for (int j = 0; j < KT; ++j) wt_operand_trans(b[j], wt, wts, kt, j, lane);
+            for (int j = 0; j < KT; ++j) wt_operand_trans(b[j], wt, wts, kt, j, lane);
 #pragma unroll
-          for (int j = 0; j < KT; ++j) {
-            Elem<T>::mma(acc[0][2 * j], af, b[j][0], b[j][1]);
-            Elem<T>::mma(acc[0][2 * j + 1], af, b[j][2], b[j][3]);
+            for (int j = 0; j < KT; ++j) {
+              Elem<T>::mma(acc[0][2 * j], af, b[j][0], b[j][1]);
+              Elem<T>::mma(acc[0][2 * j + 1], af, b[j][2], b[j][3]);
+            }
+          }
+        } else {
+#pragma unroll
+          for (int kt = 0; kt < KT; ++kt) {
+            uint32_t b[KT][4];
+#pragma unroll
+            for (int j = 0; j < KT; ++j) wt_operand_trans(b[j], wt, wts, kt, j, lane);
+#pragma unroll
+            for (int j = 0; j < KT; ++j) {
+              Elem<T>::mma(acc[0][2 * j], ga[kt], b[j][0], b[j][1]);
+              Elem<T>::mma(acc[0][2 * j + 1], ga[kt], b[j][2], b[j][3]);
+            }
           }
         }
-        const T* d = reinterpret_cast<const T*>(region + bp.d_off[l - 1]);
-        T* out = reinterpret_cast<T*>(region + bp.g_off[(l - 1) & 1]);
-        float* dbl = db + bp.db_off[l - 1];
-#pragma unroll
-        for (int j = 0; j < NT; ++j) {
-          const int c = j * 8 + 2 * q;
-          const float2 d0 = Elem<T>::unpack(*reinterpret_cast<const uint32_t*>(d + g * WS + c));
-          const float2 d1 = Elem<T>::unpack(*reinterpret_cast<const uint32_t*>(d + (g + 8) * WS + c));
-          const float* v = acc[0][j];
-          const float z0 = v[0] * d0.x, z1 = v[1] * d0.y, z2 = v[2] * d1.x, z3 = v[3] * d1.y;
-          st_pair(out, bp.g_stride, g, c, Elem<T>::pack(z0, z1));
-          st_pair(out, bp.g_stride, g + 8, c, Elem<T>::pack(z2, z3));
-          const float2 s = column_sums(z0, z1, z2, z3);
-          if (g == 0) { dbl[c] += s.x; dbl[c + 1] += s.y; }
-        }
+        hidden_grad<T, HID, W>(ga, acc, H(l), G(l - 1), bp.g_stride, db + bp.db_off[l - 1], p.slope, lane);
       } else if (bp.gx != nullptr) {  // gx = gZ_0 W_0^T, 16 columns of K0 at a time
         T* gx = static_cast<T*>(bp.gx);
         for (int j = 0; j < L.kp / 16; ++j) {
           float o[2][4] = {};
 #pragma unroll
           for (int kt = 0; kt < KT; ++kt) {
-            uint32_t af[4], b[4];
-            gz_operand(af, gz, bp.g_stride, kt, lane);
+            uint32_t b[4];
             wt_operand_trans(b, wt, wts, kt, j, lane);
-            Elem<T>::mma(o[0], af, b[0], b[1]);
-            Elem<T>::mma(o[1], af, b[2], b[3]);
+            Elem<T>::mma(o[0], ga[kt], b[0], b[1]);
+            Elem<T>::mma(o[1], ga[kt], b[2], b[3]);
           }
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
@@ -294,16 +384,20 @@ __global__ void __launch_bounds__(kWarps * 32, 1) narrow_mlp_bwd(const Params p,
           }
         }
       }
+      // Every warp's gZ_l and H_l (h_{l-1}) are in place; the gZ buffer written next (l - 2's)
+      // was last read by dW_{l+1}, which every warp finished before this barrier's previous use.
+      __syncthreads();
+      if (want_dw) weight_grad<T, TILES>(dw, p, bp, smem, l, l % 3, warp, lane);
     }
-    __syncthreads();  // the next chunk's recompute overwrites H, D and gZ
+    __syncthreads();  // the next chunk's recompute overwrites H and gZ
   }
-  // The block's partial sums: dW as accumulated, db summed over the warps in warp order.
-  const float* sums = reinterpret_cast<const float*>(smem + bp.sums_off);
+  // The block's partial sums: dW from the warps' registers, db summed over the warps in warp order.
   float* part = bp.partial + int64_t(blockIdx.x) * (bp.dw_floats + bp.db_floats);
-  for (int i = threadIdx.x; i < bp.dw_floats; i += blockDim.x) part[i] = sums[i];
+  if (want_dw) store_weight_grad<TILES>(dw, p, bp, part, warp, lane);
+  const float* sums = reinterpret_cast<const float*>(smem + bp.sums_off);
   for (int c = threadIdx.x; c < bp.db_floats; c += blockDim.x) {
     float s = 0.f;
-    for (int w = 0; w < kWarps; ++w) s += sums[bp.dw_floats + w * bp.db_floats + c];
+    for (int w = 0; w < kBwdWarps; ++w) s += sums[w * bp.db_floats + c];
     part[bp.dw_floats + c] = s;
   }
 }
@@ -340,31 +434,33 @@ __global__ void narrow_mlp_bwd_reduce(const Params p, const BwdParams bp) {
 // Host side.
 
 // Fills bp's shared-memory plan for p (planned by plan_weights); returns the bytes of shared
-// memory a block takes.
+// memory a block takes, or -1 where the kernel does not take the stack (its width, or more dW
+// tiles than the warps keep).
 inline int plan_bwd(const Params& p, int width, int elem_bytes, BwdParams* bp) {
+  if (!bwd_width_ok(width)) return -1;
   int off = 0, gmax = width;
   for (int l = 0; l < p.layers; ++l) {
     bp->h_off[l] = off;
     off += 16 * (p.layer[l].kp + kPad) * elem_bytes;
     if (p.layer[l].np > gmax) gmax = p.layer[l].np;
   }
-  for (int l = 0; l + 1 < p.layers; ++l) {
-    bp->d_off[l] = off;
-    off += 16 * (width + kPad) * elem_bytes;
-  }
   bp->g_stride = gmax + kPad;
-  for (int s = 0; s < 2; ++s) {
+  for (int s = 0; s < 3; ++s) {
     bp->g_off[s] = off;
     off += 16 * bp->g_stride * elem_bytes;
   }
   bp->warp_bytes = (off + 15) / 16 * 16;
   bp->warps_off = p.weights_bytes;
-  bp->sums_off = bp->warps_off + kWarps * bp->warp_bytes;
-  int f = 0;
+  bp->sums_off = bp->warps_off + kBwdWarps * bp->warp_bytes;
+  int f = 0, t = 0;
   for (int l = 0; l < p.layers; ++l) {
     bp->dw_off[l] = f;
+    bp->tile0[l] = t;
     f += p.layer[l].kp * p.layer[l].np;
+    t += (p.layer[l].kp / 16) * (p.layer[l].np / 16);
   }
+  bp->tile0[p.layers] = t;
+  if (t > kBwdWarps * dw_tiles(width)) return -1;
   bp->dw_floats = f;
   int c = 0;
   for (int l = 0; l < p.layers; ++l) {
@@ -372,7 +468,7 @@ inline int plan_bwd(const Params& p, int width, int elem_bytes, BwdParams* bp) {
     c += p.layer[l].np;
   }
   bp->db_floats = c;
-  bp->smem_bytes = bp->sums_off + (bp->dw_floats + kWarps * bp->db_floats) * 4;
+  bp->smem_bytes = bp->sums_off + kBwdWarps * bp->db_floats * 4;
   return bp->smem_bytes;
 }
 
@@ -390,7 +486,6 @@ const void* bwd_kernel(int width, Act hid) {
       case 16: k = bwd_kernel<T, 16, A>(); break;
       case 32: k = bwd_kernel<T, 32, A>(); break;
       case 64: k = bwd_kernel<T, 64, A>(); break;
-      case 128: k = bwd_kernel<T, 128, A>(); break;
     }
   });
   return k;
@@ -402,9 +497,9 @@ cudaError_t bwd_blocks(const Params& p, int width, const BwdParams& bp, int* blo
   const void* kernel = bwd_kernel<T>(width, p.act_hidden);
   if (kernel == nullptr) return cudaErrorInvalidValue;
   int resident = 0;
-  cudaError_t e = resident_blocks(kernel, bp.smem_bytes, &resident);
+  cudaError_t e = resident_blocks(kernel, bp.smem_bytes, &resident, kBwdWarps * 32);
   if (e != cudaSuccess) return e;
-  const int64_t chunks = (p.m + 16 * kWarps - 1) / (16 * kWarps);
+  const int64_t chunks = (p.m + 16 * kBwdWarps - 1) / (16 * kBwdWarps);
   *blocks = int(chunks < resident ? chunks : resident);
   return cudaSuccess;
 }
@@ -414,7 +509,7 @@ template <class T>
 cudaError_t bwd_max_blocks(const Params& p, int width, const BwdParams& bp, int* blocks) {
   const void* kernel = bwd_kernel<T>(width, p.act_hidden);
   if (kernel == nullptr) return cudaErrorInvalidValue;
-  return resident_blocks(kernel, bp.smem_bytes, blocks);
+  return resident_blocks(kernel, bp.smem_bytes, blocks, kBwdWarps * 32);
 }
 
 // The backward on `stream`: bp planned, bp.blocks set (bwd_blocks), bp.partial holding
@@ -424,7 +519,7 @@ cudaError_t launch_bwd(const Params& p, int width, const BwdParams& bp, cudaStre
   if (bp.blocks > 0) {
     const void* kernel = bwd_kernel<T>(width, p.act_hidden);
     void* args[] = {const_cast<Params*>(&p), const_cast<BwdParams*>(&bp)};
-    cudaError_t e = cudaLaunchKernel(kernel, dim3(bp.blocks), dim3(kWarps * 32), args, bp.smem_bytes, stream);
+    cudaError_t e = cudaLaunchKernel(kernel, dim3(bp.blocks), dim3(kBwdWarps * 32), args, bp.smem_bytes, stream);
     if (e != cudaSuccess) return e;
   }
   const int per_block = bp.dw_floats + bp.db_floats;
