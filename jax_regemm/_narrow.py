@@ -103,18 +103,12 @@ def fused_forward_wins(nspec, x) -> bool:
 
 def fused_backward_wins(nspec, x) -> bool:
     """Whether a training step is faster with the fused backward than through the per-layer
-    block, as measured on an H200 (bf16 relu Adam steps, plain / ours device time): 2^20 rows
-    1.21x at 32 wide x 3 hidden and 1.08x at 16 x 4, stacks of which 3 blocks (12 warps) fit an
-    SM; 0.75x at 64 x 4 (2^18 and 2^20 rows) and 0.63x at 2^16 rows, 1 block of 4 warps an SM:
-    the kernel is latency-bound, its occupancy set by its shared memory (`plan_bwd`; registers
-    allow 3 blocks). So: widths <= 32, 2^20 rows or more, and shared memory for 3 blocks an SM
-    (a deep 32-wide stack has not: 2 blocks at 4 hidden, 1 at 6)."""
-    cuda = _ffi._regemm_cuda
-    if cuda is None or nspec.width > 32 or x.shape[0] < 2**20:
-        return False
-    need = cuda.narrow_smem_bytes(int(x.shape[1]), nspec.width, len(nspec.has_bias), nspec.n_out, True)
-    sm = cuda.narrow_smem_limit() + 1024  # an SM's shared memory: a block's most and the 1 KB kept per block
-    return need >= 0 and sm // (need + 1024) >= 3
+    block, as measured on an H200 (bf16 relu Adam steps, plain / ours device time,
+    benchmarks/results/h200_narrow.md, 4928c87): fused 1.36x at 2^20 x 64 x 4 hidden, 1.38x at
+    2^18, 1.22x at 2^16, 1.62x at 2^20 x 32 x 3, 1.44x at 2^20 x 16 x 4, where the per-layer step
+    measured 0.96-1.03x. So wherever the kernel takes the stack (`kernel_runs`: widths 16-64 and
+    the dW tiles its warps keep) from 2^16 rows, as the forward; fewer rows are not measured."""
+    return x.shape[0] >= 2**16
 
 
 def _split(nspec, args):
