@@ -9,9 +9,9 @@
 // layer's, transposed to [N][K] and padded) and the biases (f32) sit in shared memory, loaded
 // once per block; the blocks are persistent, and each warp takes row tiles on its own.
 //
-// The backward (narrow_mlp_bwd) recomputes the forward of its rows on chip, keeping each
-// layer's input h and act' in shared memory, then runs the chain of dgrad products down the
-// stack and sums the weight and bias gradients of its block's rows in shared memory (f32, each
+// The backward (narrow_mlp_bwd, widths 16-64) recomputes the forward of its rows on chip,
+// keeping each layer's z in shared memory, runs the chain of dgrad products down the stack
+// with gZ in registers, and sums the weight gradients of its block's rows in registers (each
 // warp owning fixed tiles: the same additions in the same order on every run); a second kernel
 // sums the blocks' partial sums in a fixed order. Nothing per layer goes through HBM.
 #pragma once
