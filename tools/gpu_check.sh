@@ -63,10 +63,21 @@ t0=$SECONDS
 } >"$OUT/env.log" 2>&1
 
 # --- 1. build -----------------------------------------------------------------
+# The CUTLASS headers of a carried wheel on the path, as for any device run (device_install.sh,
+# its install left to this check). A build without the CUTLASS sm90 kernels is not the product:
+# its dgrad_dact is cuBLAS's GEMM and a pass, which skips or changes what many tests check (a
+# check at 86534e7 ran so, unnoticed: 3 in-place tests failed, 204 more tests skipped), so
+# it fails here unless GPU_CHECK_NO_CUTLASS=1 says that build is the one meant.
+REGEMM_SKIP_INSTALL=1 source tools/device_install.sh
 "$PY" -m pip install --no-build-isolation --no-deps -v . >"$OUT/build.log" 2>&1
 build_rc=$?
 if [ $build_rc -eq 0 ]; then
   "$PY" -P -c "import jax_regemm as rg; print(rg.kernels())" >>"$OUT/env.log" 2>&1 || build_rc=99
+fi
+if [ $build_rc -eq 0 ] && [ "${GPU_CHECK_NO_CUTLASS:-0}" != 1 ] && ! tail -1 "$OUT/env.log" | grep -q "'dgrad_dact': \[[^]]*cutlass"; then
+  echo "gpu_check: this build has no CUTLASS kernels (carry .whl/nvidia_cutlass-*.whl, or GPU_CHECK_NO_CUTLASS=1)" \
+    | tee -a "$OUT/build.log" >&2
+  build_rc=96
 fi
 NVCC="nvcc -std=c++17 -O2 -gencode=arch=compute_90a,code=sm_90a"
 # The two harnesses' binaries outside $OUT, which keeps only logs (a device
@@ -258,6 +269,7 @@ fi
   echo "commit: ${GPU_CHECK_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --quiet HEAD -- ffi tools tests jax_regemm 2>/dev/null || echo ' (with uncommitted changes)')} (tree $TREE)"
   echo "device: $(head -2 "$OUT/env.log" | tail -1)"
   echo "build: $([ $build_rc -eq 0 ] && echo ok || echo "FAILED (rc=$build_rc, see build.log)") in ${build_s}s"
+  echo "kernels: $(tail -1 "$OUT/env.log" | grep -o "'cuda': .*" | head -c 400)"
   if [ "$PARTS" = sanitizers ] && [ -f "$prior" ]; then
     echo "tests (GPU_CHECK_PARTS=tests, the call before on this machine, the same tree): ${tests_line:-no result} (rc=$test_rc)"
     echo "tests, >2^31 elements alone: ${big_line:-no result} (rc=$big_rc); tests took ${test_s}s"
