@@ -74,7 +74,8 @@ build_rc=$?
 if [ $build_rc -eq 0 ]; then
   "$PY" -P -c "import jax_regemm as rg; print(rg.kernels())" >>"$OUT/env.log" 2>&1 || build_rc=99
 fi
-if [ $build_rc -eq 0 ] && [ "${GPU_CHECK_NO_CUTLASS:-0}" != 1 ] && ! tail -1 "$OUT/env.log" | grep -q "'dgrad_dact': \[[^]]*cutlass"; then
+if [ $build_rc -eq 0 ] && [ "${GPU_CHECK_NO_CUTLASS:-0}" != 1 ] \
+   && ! "$PY" -P -c "import sys; from jax_regemm import _ffi; sys.exit(not _ffi.cutlass_dtypes())"; then
   echo "gpu_check: this build has no CUTLASS kernels (carry .whl/nvidia_cutlass-*.whl, or GPU_CHECK_NO_CUTLASS=1)" \
     | tee -a "$OUT/build.log" >&2
   build_rc=96
