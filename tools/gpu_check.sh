@@ -103,7 +103,8 @@ if [ $build_rc -eq 0 ] && [ "$PARTS" != sanitizers ]; then
   par=""
   procs=$(nproc); [ "$procs" -gt 16 ] && procs=16
   "$PY" -c "import xdist" 2>/dev/null && par="-n $procs"
-  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout $left "$PY" -P -m pytest -q -p no:cacheprovider -rfE \
+  # -v: each outcome is printed as it happens, so a run cut by its timeout still names its failures.
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout $left "$PY" -P -m pytest -v -p no:cacheprovider -rfE \
     --durations=15 $par -k "not $BIG" tests >"$OUT/pytest.log" 2>&1
   test_rc=$?
   echo "##### $BIG alone" >>"$OUT/pytest.log"
