@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 import sys
 
 ON = ("1", "on", "true", "yes")
@@ -152,6 +153,10 @@ SWITCHES = (
     # --- the repository's scripts -------------------------------------------------------------------
     Switch("REGEMM_TEST_SEED", "dev", (), "0", "Varies every test's random inputs (tests/conftest.py).",
            _int_in(0, 2**31), "an integer"),
+    Switch("REGEMM_TEST_SHARD", "dev", (), "unset", "i/n: the test suite's every n-th test from the i-th "
+           "(tests/conftest.py; tools/gpu_check.sh runs the suite so in n calls).",
+           lambda v: bool(re.fullmatch(r"[1-9][0-9]*/[1-9][0-9]*", v)) and int(v.split("/")[0]) <= int(v.split("/")[1]),
+           "i/n with 1 <= i <= n"),
     Switch("REGEMM_JAX", "dev", ON + OFF, "off", "tests/cutlass_device.sh: also install the package and run "
            "the JAX tests and benchmark."),
     Switch("REGEMM_SKIP_INSTALL", "dev", ON + OFF, "off", "tools/device_install.sh: only set up the path."),

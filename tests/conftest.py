@@ -413,3 +413,16 @@ def _cutlass_dtype_built(request):
     missing = set().union(*(_dtype_names(v) for v in callspec.params.values())) - set(built)
     if missing:
         pytest.skip(f"this build has no CUTLASS kernels of {sorted(missing)} (REGEMM_CUTLASS_DTYPES)")
+
+
+def pytest_collection_modifyitems(config, items):
+    """REGEMM_TEST_SHARD=i/n: every n-th test from the i-th (1-based) in collection order, the rest
+    deselected: the suite in n calls of a device whose calls are too short for the whole
+    (tools/gpu_check.sh, GPU_CHECK_SHARD)."""
+    shard = os.environ.get("REGEMM_TEST_SHARD")
+    if not shard:
+        return
+    i, n = (int(v) for v in shard.split("/"))
+    kept = [t for j, t in enumerate(items) if j % n == i - 1]
+    config.hook.pytest_deselected(items=[t for j, t in enumerate(items) if j % n != i - 1])
+    items[:] = kept

@@ -35,7 +35,10 @@
 # or =sanitizers runs one part (the summary says the other did not run, and the
 # exit status is 2 even if the part passed). The whole check needs more than one
 # 10-minute call (tests about 350 s, sanitizers 140-210 s), so it also runs as two
-# calls on one machine: GPU_CHECK_PARTS=tests, then =sanitizers. The tests part
+# calls on one machine: GPU_CHECK_PARTS=tests, then =sanitizers (where a fresh build and the
+# suite outrun one call, as on the H200 since 2026-12: build 180-200 s, tests 400 s, the tests
+# part in shards: GPU_CHECK_SHARD=1/2, then 2/2, each every other test, REGEMM_TEST_SHARD; the
+# last shard runs the >2^31-element test). The tests part
 # records its result under build/ (kept between calls) for the tree it ran on
 # (a hash of the sources, not the commit: the device's .git may be older than the
 # tree); the sanitizers part, on the same tree, reports both and exits 0 only if
@@ -48,6 +51,8 @@ PY="${PYTHON:-python3}"
 BUDGET="${GPU_CHECK_BUDGET:-580}"  # seconds for the whole check
 SAN_S="${GPU_CHECK_SANITIZER_S:-150}"  # seconds kept for the sanitizers (they took 103-108 s)
 PARTS="${GPU_CHECK_PARTS:-all}"
+SHARD="${GPU_CHECK_SHARD:-}"  # i/n: the tests part runs that shard of the suite
+[ -n "$SHARD" ] && [ "$PARTS" != tests ] && { echo "gpu_check: GPU_CHECK_SHARD goes with GPU_CHECK_PARTS=tests" >&2; exit 1; }
 [ "$PARTS" = tests ] && SAN_S=0  # the tests part keeps nothing back for the sanitizers
 PARTS_DIR="${GPU_CHECK_PARTS_DIR:-build/gpu_check_parts}"
 TREE="$(find CMakeLists.txt pyproject.toml ffi jax_regemm tests tools examples -type f -not -path '*/__pycache__/*' \
@@ -104,13 +109,18 @@ if [ $build_rc -eq 0 ] && [ "$PARTS" != sanitizers ]; then
   procs=$(nproc); [ "$procs" -gt 16 ] && procs=16
   "$PY" -c "import xdist" 2>/dev/null && par="-n $procs"
   # -v: each outcome is printed as it happens, so a run cut by its timeout still names its failures.
-  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout $left "$PY" -P -m pytest -v -p no:cacheprovider -rfE \
-    --durations=15 $par -k "not $BIG" tests >"$OUT/pytest.log" 2>&1
+  REGEMM_TEST_SHARD="$SHARD" XLA_PYTHON_CLIENT_PREALLOCATE=false timeout $left "$PY" -P -m pytest -v \
+    -p no:cacheprovider -rfE --durations=15 $par -k "not $BIG" tests >"$OUT/pytest.log" 2>&1
   test_rc=$?
   echo "##### $BIG alone" >>"$OUT/pytest.log"
-  XLA_PYTHON_CLIENT_MEM_FRACTION=0.6 timeout 40 "$PY" -P -m pytest -q -p no:cacheprovider -rfE \
-    -k "$BIG" tests >>"$OUT/pytest.log" 2>&1
-  big_rc=$?
+  if [ -z "$SHARD" ] || [ "${SHARD%/*}" = "${SHARD#*/}" ]; then
+    XLA_PYTHON_CLIENT_MEM_FRACTION=0.6 timeout 40 "$PY" -P -m pytest -q -p no:cacheprovider -rfE \
+      -k "$BIG" tests >>"$OUT/pytest.log" 2>&1
+    big_rc=$?
+  else
+    echo "run in the last shard, not in 0s" >>"$OUT/pytest.log"
+    big_rc=0
+  fi
 fi
 test_s=$((SECONDS - t0 - build_s))
 
@@ -257,16 +267,37 @@ fi
 
 tests_line="$(grep -E ' in [0-9.]+s' "$OUT/pytest.log" 2>/dev/null | head -1)"
 big_line="$(grep -E ' in [0-9.]+s' "$OUT/pytest.log" 2>/dev/null | sed -n 2p)"
-# Two calls: the tests part leaves its result for the sanitizers part on the same tree.
-prior="$PARTS_DIR/tests_$TREE.txt"
+# Two calls: the tests part leaves its result for the sanitizers part on the same tree (one
+# file, or one a shard: the sanitizers part takes the unsharded run, else every shard of one n).
+prior="$PARTS_DIR/tests_$TREE${SHARD:+_${SHARD%/*}of${SHARD#*/}}.txt"
 if [ "$PARTS" = tests ] && [ $build_rc -eq 0 ]; then
   mkdir -p "$PARTS_DIR"
   printf '%s\n' "$test_rc" "$big_rc" "$tests_line" "$big_line" "$test_s" >"$prior"
 fi
-prior_ok=0
-if [ "$PARTS" = sanitizers ] && [ -f "$prior" ]; then
-  { read -r test_rc; read -r big_rc; read -r tests_line; read -r big_line; read -r test_s; } <"$prior"
-  [ "$test_rc" = 0 ] && [ "$big_rc" = 0 ] && prior_ok=1
+prior_ok=0 priors=""
+if [ "$PARTS" = sanitizers ]; then
+  if [ -f "$prior" ]; then
+    priors="$prior"
+  else
+    n="$(ls "$PARTS_DIR"/tests_"$TREE"_*of*.txt 2>/dev/null | head -1 | sed -E 's/.*of([0-9]+)\.txt$/\1/')"
+    for i in $(seq 1 "${n:-0}"); do
+      f="$PARTS_DIR/tests_${TREE}_${i}of$n.txt"
+      [ -f "$f" ] || { priors=""; break; }
+      priors="$priors $f"
+    done
+  fi
+  if [ -n "$priors" ]; then
+    prior_ok=1 all_tests="" all_big="" all_s=0
+    for f in $priors; do
+      { read -r test_rc; read -r big_rc; read -r tests_line; read -r big_line; read -r test_s; } <"$f"
+      { [ "$test_rc" = 0 ] && [ "$big_rc" = 0 ]; } || prior_ok=0
+      all_tests="${all_tests:+$all_tests; }$tests_line (rc=$test_rc)"
+      all_big="${all_big:+$all_big; }$big_line (rc=$big_rc)"
+      all_s=$((all_s + test_s))
+    done
+    tests_line="$all_tests" big_line="$all_big" test_s=$all_s
+    test_rc=$((1 - prior_ok)) big_rc=0
+  fi
 fi
 {
   echo "===== gpu_check summary ====="
@@ -275,13 +306,13 @@ fi
   echo "device: $(head -2 "$OUT/env.log" | tail -1)"
   echo "build: $([ $build_rc -eq 0 ] && echo ok || echo "FAILED (rc=$build_rc, see build.log)") in ${build_s}s"
   echo "kernels: $(tail -1 "$OUT/env.log" | grep -o "'cuda': .*" | head -c 400)"
-  if [ "$PARTS" = sanitizers ] && [ -f "$prior" ]; then
-    echo "tests (GPU_CHECK_PARTS=tests, the call before on this machine, the same tree): ${tests_line:-no result} (rc=$test_rc)"
-    echo "tests, >2^31 elements alone: ${big_line:-no result} (rc=$big_rc); tests took ${test_s}s"
+  if [ "$PARTS" = sanitizers ] && [ -n "$priors" ]; then
+    echo "tests (GPU_CHECK_PARTS=tests, the calls before on this machine, the same tree; $(echo $priors | wc -w) part(s)): ${tests_line:-no result}"
+    echo "tests, >2^31 elements alone: ${big_line:-no result}; tests took ${test_s}s"
   elif [ "$PARTS" = sanitizers ]; then
     echo "tests: not run (GPU_CHECK_PARTS=sanitizers, and no tests part of this tree before it)"
   else
-    echo "tests: ${tests_line:-no result} (rc=$test_rc)"
+    echo "tests${SHARD:+ (shard $SHARD)}: ${tests_line:-no result} (rc=$test_rc)"
     echo "tests, >2^31 elements alone: ${big_line:-no result} (rc=$big_rc); tests took ${test_s}s"
   fi
   if [ $san_on -eq 1 ]; then
