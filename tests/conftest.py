@@ -423,6 +423,5 @@ def pytest_collection_modifyitems(config, items):
     if not shard:
         return
     i, n = (int(v) for v in shard.split("/"))
-    kept = [t for j, t in enumerate(items) if j % n == i - 1]
     config.hook.pytest_deselected(items=[t for j, t in enumerate(items) if j % n != i - 1])
-    items[:] = kept
+    items[:] = items[i - 1 :: n]
