@@ -3,8 +3,10 @@
 // and timed with CUDA events. A developer's probe of the kernel before the library sees it.
 //
 //   nvcc -O3 -std=c++17 -arch=sm_90a --expt-relaxed-constexpr -Iffi tools/narrow_bench.cu -o narrow_bench
-//   [NARROW_BWD=1] [NARROW_NO_WGRAD=1] [NARROW_LOAD_ONLY=1] [NARROW_TRANSPOSED=1] ./narrow_bench [rows x in x width x hidden x out [act]] ...
-//   (e.g. 1048576x32x64x4x16 relu; NARROW_LOAD_ONLY: also time the forward's weight load alone)
+//   (with -DREGEMM_SM90A for the wgmma kernels)
+//   [NARROW_GMMA=1] [NARROW_BWD=1] [NARROW_NO_WGRAD=1] [NARROW_LOAD_ONLY=1] [NARROW_TRANSPOSED=1] ./narrow_bench [rows x in x width x hidden x out [act]] ...
+//   (e.g. 1048576x32x64x4x16 relu; NARROW_LOAD_ONLY: also time the forward's weight load alone;
+//   NARROW_GMMA: the forward on wgmma, narrow_mlp_gmma.cuh, checked and timed after mma.sync's)
 #include <cuda_runtime.h>
 
 #include <cmath>
@@ -16,6 +18,7 @@
 #include <vector>
 
 #include "cuda/narrow/narrow_mlp_bwd.cuh"
+#include "cuda/narrow/narrow_mlp_gmma.cuh"
 
 using T = __nv_bfloat16;
 using namespace regemm;
@@ -89,8 +92,20 @@ static bool run(const Cell& c) {
     p.layer[l].w = to_dev(p.w_transposed ? wt : w[l]);
     p.layer[l].b = to_dev(b[l]);
   }
-  const int smem = narrow::plan_weights(&p, sizeof(T));
-  CHECK(narrow::launch_fwd<T>(p, c.width, nullptr));
+  const bool gmma = std::getenv("NARROW_GMMA") != nullptr;
+  bool ok = true;
+  cudaEvent_t e0, e1;
+  CHECK(cudaEventCreate(&e0));
+  CHECK(cudaEventCreate(&e1));
+  float ms = 0;
+  double flops = 0;
+  const int iters = 50;
+  for (int pass = 0; pass < (gmma ? 2 : 1); ++pass) {
+  const bool on_gmma = pass == 1;
+  const int smem = narrow::plan_weights(&p, sizeof(T), on_gmma ? narrow::Layout::kCoreMatrices : narrow::Layout::kPaddedRows);
+  auto fwd = [&] { return on_gmma ? narrow::launch_fwd_gmma<T>(p, c.width, nullptr) : narrow::launch_fwd<T>(p, c.width, nullptr); };
+  CHECK(cudaMemset(p.y, 0xff, c.m * c.out * sizeof(T)));
+  CHECK(fwd());
   CHECK(cudaDeviceSynchronize());
   std::vector<T> yd(c.m * c.out);
   CHECK(cudaMemcpy(yd.data(), p.y, yd.size() * sizeof(T), cudaMemcpyDeviceToHost));
@@ -115,24 +130,21 @@ static bool run(const Cell& c) {
       max_ref = std::fmax(max_ref, std::fabs(h[n]));
     }
   }
-  cudaEvent_t e0, e1;
-  CHECK(cudaEventCreate(&e0));
-  CHECK(cudaEventCreate(&e1));
-  const int iters = 50;
+
   CHECK(cudaEventRecord(e0));
-  for (int i = 0; i < iters; ++i) CHECK(narrow::launch_fwd<T>(p, c.width, nullptr));
+  for (int i = 0; i < iters; ++i) CHECK(fwd());
   CHECK(cudaEventRecord(e1));
   CHECK(cudaEventSynchronize(e1));
-  float ms = 0;
   CHECK(cudaEventElapsedTime(&ms, e0, e1));
   ms /= iters;
-  double flops = 0;
+  flops = 0;
   for (int l = 0; l < layers; ++l) flops += 2.0 * c.m * ks[l] * ns[l];
   const double bytes = double(c.m) * (c.k0 + c.out) * sizeof(T);
-  const bool ok = max_err <= 2e-2 * std::fmax(1.0, max_ref);
-  std::printf("%lldx%dx%dx%dx%d %s fwd: %.1f us, %.0f TFLOP/s, %.2f TB/s, smem %d B, max err %.3g (max |y| %.3g) %s\n",
-              (long long)c.m, c.k0, c.width, c.hidden, c.out, std::string(kActNames[int(c.act)]).c_str(), ms * 1e3,
-              flops / ms * 1e-9, bytes / ms * 1e-9, smem, max_err, max_ref, ok ? "ok" : "FAIL");
+  const bool fok = max_err <= 2e-2 * std::fmax(1.0, max_ref);
+  ok = ok && fok;
+  std::printf("%lldx%dx%dx%dx%d %s fwd%s: %.1f us, %.0f TFLOP/s, %.2f TB/s, smem %d B, max err %.3g (max |y| %.3g) %s\n",
+              (long long)c.m, c.k0, c.width, c.hidden, c.out, std::string(kActNames[int(c.act)]).c_str(), on_gmma ? " (wgmma)" : "",
+              ms * 1e3, flops / ms * 1e-9, bytes / ms * 1e-9, smem, max_err, max_ref, fok ? "ok" : "FAIL");
   if (std::getenv("NARROW_LOAD_ONLY")) {  // the weight load alone: one wave of blocks, so about one block's load
     int resident = 0, *sink = nullptr;
     CHECK(cudaMalloc(&sink, sizeof(int)));
@@ -153,6 +165,8 @@ static bool run(const Cell& c) {
     CHECK(cudaEventElapsedTime(&lms, e0, e1));
     std::printf("   weights load alone: %.1f us (%d blocks, %d B)\n", lms * 1e3 / iters, resident, smem);
   }
+  }
+  narrow::plan_weights(&p, sizeof(T));  // (the backward's layout)
   if (!c.bwd) return ok;
   // The backward: gy random; the reference on the first `check` rows (a problem of its own).
   const int64_t check = c.m < 2999 ? c.m : 2999;

@@ -24,6 +24,7 @@
 #include <mutex>
 #include <tuple>
 
+#include "cuda/narrow/gmma.h"
 #include "regemm/activation.h"
 
 namespace regemm::narrow {
@@ -104,25 +105,34 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* 
                : "r"(smem_addr(p)));
 }
 
-// Every layer's weights into shared memory as Wt [np][kp + kPad] (zero padded), biases as f32.
-// Each block loads them once, so at small M the load is the call's fixed cost: 16-byte loads
-// (a source row of whole 8-element vectors), eight in flight a thread before their stores,
-// with one division per vector (2-byte loads with the index math per element took 32 us a
-// call at 64 x 4 hidden and 95 us at 128 x 4, tools/narrow_bench.cu NARROW_LOAD_ONLY).
-template <class T>
-__device__ void load_weights(const Params& p, char* smem) {
+// Where a layer's Wt (n, k) lies in shared memory, in elements from its start: in padded rows
+// [np][kp + kPad] (mma.sync's ldmatrix: rows on distinct banks), or in wgmma's 8 x 8 core
+// matrices, K-major (gmma.h).
+struct PaddedRows {
+  __device__ int operator()(const Layer& L, int n, int k) const { return n * (L.kp + kPad) + k; }
+};
+struct CoreMatrices {
+  __device__ int operator()(const Layer& L, int n, int k) const { return gmma::kmajor_at(n, k, L.kp); }
+};
+
+// Every layer's weights into shared memory as Wt in the layout `at` (zero padded), biases as
+// f32. Each block loads them once, so at small M the load is the call's fixed cost: 16-byte
+// loads (a source row of whole 8-element vectors), eight in flight a thread before their
+// stores, with one division per vector (2-byte loads with the index math per element took
+// 32 us a call at 64 x 4 hidden and 95 us at 128 x 4, tools/narrow_bench.cu NARROW_LOAD_ONLY).
+template <class T, class At = PaddedRows>
+__device__ void load_weights(const Params& p, char* smem, At at = {}) {
   constexpr int kBatch = 8;
   for (int l = 0; l < p.layers; ++l) {
     const Layer& L = p.layer[l];
     T* wt = reinterpret_cast<T*>(smem + L.w_off);
     const T* __restrict__ w = static_cast<const T*>(L.w);
-    const int stride = L.kp + kPad;
     // The source's rows: W [N, K] row n is Wt's row n; W [K, N] row k is Wt's column k.
     const int rows = p.w_transposed ? L.n : L.k, cols = p.w_transposed ? L.k : L.n;
     if (L.n < L.np || L.k < L.kp)  // the padding, apart from the elements stored below
       for (int i = threadIdx.x; i < L.np * L.kp; i += blockDim.x) {
         const int n = i / L.kp, k = i % L.kp;
-        if (n >= L.n || k >= L.k) wt[n * stride + k] = Elem<T>::from_float(0.f);
+        if (n >= L.n || k >= L.k) wt[at(L, n, k)] = Elem<T>::from_float(0.f);
       }
     if (cols % 8 == 0 && (reinterpret_cast<uintptr_t>(w) & 15) == 0) {
       const int per_row = cols / 8, total = rows * per_row;
@@ -139,19 +149,19 @@ __device__ void load_weights(const Params& p, char* smem) {
           const int i = i0 + u * blockDim.x;
           if (i >= total) break;
           const int r = i / per_row, c = (i % per_row) * 8;
-          if (p.w_transposed) {
-            *reinterpret_cast<uint4*>(wt + r * stride + c) = v[u];  // (rows of Wt are 16-byte aligned)
+          if (p.w_transposed) {  // 8 elements along k: contiguous and 16-byte aligned in both layouts
+            *reinterpret_cast<uint4*>(wt + at(L, r, c)) = v[u];
           } else {
             const T* e = reinterpret_cast<const T*>(&v[u]);
 #pragma unroll
-            for (int j = 0; j < 8; ++j) wt[(c + j) * stride + r] = e[j];
+            for (int j = 0; j < 8; ++j) wt[at(L, c + j, r)] = e[j];
           }
         }
       }
     } else {  // rows of other lengths (an input or output width that is not a multiple of 8)
       for (int i = threadIdx.x; i < rows * cols; i += blockDim.x) {
         const int r = i / cols, c = i % cols;
-        wt[p.w_transposed ? r * stride + c : c * stride + r] = w[i];
+        wt[p.w_transposed ? at(L, r, c) : at(L, c, r)] = w[i];
       }
     }
     float* bias = reinterpret_cast<float*>(smem + L.b_off);
@@ -339,16 +349,19 @@ constexpr int row_tiles(int width) { return width <= 64 ? 2 : 1; }
 constexpr int fwd_warps(int width) { return width >= 128 ? 16 : kWarps; }
 inline bool width_ok(int width) { return width == 16 || width == 32 || width == 64 || width == 128; }
 
-// Fills the padded sizes and shared-memory offsets of p.layer[0..layers) from k, n; returns
-// the bytes the weights and biases take.
-inline int plan_weights(Params* p, int elem_bytes) {
+// Fills the padded sizes and shared-memory offsets of p.layer[0..layers) from k, n for the
+// weights' layout; returns the bytes the weights and biases take. Core matrices (wgmma's) pad
+// layer 0's K to 32: its MMAs go two k steps at a time.
+enum class Layout { kPaddedRows, kCoreMatrices };
+inline int plan_weights(Params* p, int elem_bytes, Layout layout = Layout::kPaddedRows) {
   int off = 0;
   for (int l = 0; l < p->layers; ++l) {
     Layer& L = p->layer[l];
-    L.kp = (L.k + 15) / 16 * 16;
+    const int kq = layout == Layout::kCoreMatrices && l == 0 ? 32 : 16;
+    L.kp = (L.k + kq - 1) / kq * kq;
     L.np = (L.n + 15) / 16 * 16;
     L.w_off = off;
-    off += L.np * (L.kp + kPad) * elem_bytes;
+    off += L.np * (L.kp + (layout == Layout::kPaddedRows ? kPad : 0)) * elem_bytes;
     L.b_off = off;
     off += (L.np * 4 + 15) / 16 * 16;
   }

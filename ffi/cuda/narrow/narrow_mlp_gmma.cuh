@@ -1,0 +1,178 @@
+// The fused narrow MLP's forward on sm90a's warpgroup MMA (gmma.h): narrow_mlp.cuh's design
+// with a warpgroup in place of a warp. A warpgroup carries a 64-row tile through every layer:
+// each layer is one chain of m64nWk16 MMAs, A (the tile, bf16/f16) from registers, B (Wt,
+// K-major core matrices) from shared memory, the accumulators left in the layout the epilogue
+// packs into the next layer's A, as mma.sync's are. Per layer a warp issues W/16 MMAs where
+// mma.sync took W/2 with their B fragments' ldmatrix loads: the issue slots mma.sync's kernel
+// spent on the tensor cores go to the epilogues (it ran at 31% of the tensor-core peak at 64
+// wide with 51% of issue slots busy, docs/performance.md).
+//
+// Built only for sm90a (the body is empty elsewhere): gmma_built() says whether this build has it.
+#pragma once
+
+#include "cuda/narrow/narrow_mlp.cuh"
+
+namespace regemm::narrow {
+
+// Warpgroups a block and blocks an SM the registers are bounded for, by width: 2 warpgroups
+// share a block's copy of the weights under 128 wide (a few KB to 30 KB: several blocks an SM);
+// at 128 the weights take about half of shared memory, so 3 warpgroups a block.
+constexpr int gmma_groups(int width) { return width >= 128 ? 3 : 2; }
+constexpr int gmma_min_blocks(int width) { return width >= 128 ? 1 : width >= 64 ? 2 : width >= 32 ? 3 : 4; }
+
+// The output layer W -> N_out, 16 columns at a time (m64n16k16), stored from the registers.
+template <class T, Act A, int W>
+__device__ __forceinline__ void output_layer_gmma(const Params& p, const char* smem, const uint32_t (&a)[1][W / 16][4],
+                                                  int64_t row0, int lane) {
+  constexpr int KT = W / 16;
+  const int g = lane >> 2, q = lane & 3;
+  const Layer& L = p.layer[p.layers - 1];
+  const char* wt = smem + L.w_off;
+  const float* bias = reinterpret_cast<const float*>(smem + L.b_off);
+  T* y = static_cast<T*>(p.y);
+  for (int j = 0; j < L.np / 16; ++j) {
+    float o[2][4] = {};
+    gmma::pin(o);
+    gmma::fence();
+#pragma unroll
+    for (int kt = 0; kt < KT; ++kt)
+      gmma::Rs<T, 16, 0>::run(o, a[0][kt], gmma::descriptor(wt + (j * 32 * W + kt * 256), 128, 16 * W), kt > 0);
+    gmma::commit();
+    gmma::wait<0>();
+    gmma::pin(o);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int c = j * 16 + h * 8 + 2 * q;
+      const float b0 = bias[c], b1 = bias[c + 1];
+      store_pair(y, p.m, L.n, row0 + g, c, act<A>(o[h][0] + b0, p.slope), act<A>(o[h][1] + b1, p.slope));
+      store_pair(y, p.m, L.n, row0 + g + 8, c, act<A>(o[h][2] + b0, p.slope), act<A>(o[h][3] + b1, p.slope));
+    }
+  }
+}
+
+template <class T, int W, Act HID, int WGS>
+__global__ void __launch_bounds__(WGS * 128, gmma_min_blocks(W)) narrow_mlp_fwd_gmma(const Params p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  extern __shared__ __align__(128) char smem[];
+  load_weights<T>(p, smem, CoreMatrices{});
+  gmma::fence_shared();
+  __syncthreads();
+  constexpr int NT = W / 8, KT = W / 16;
+  const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3, wg = threadIdx.x >> 7;
+  const int g = lane >> 2, q = lane & 3;
+  const T* x = static_cast<const T*>(p.x);
+  const int k0 = p.layer[0].k;
+  const int64_t tiles = (p.m + 63) / 64;
+  float acc[1][NT][4];
+  zero(acc);
+  uint32_t a[1][KT][4];
+  for (int64_t t = int64_t(blockIdx.x) * WGS + wg; t < tiles; t += int64_t(gridDim.x) * WGS) {
+    const int64_t row0 = t * 64 + warp * 16;  // this warp's 16 rows of the tile
+    // Layer 0: K0 (padded to 32) -> W, its A operand read from x two k steps at a time.
+    {
+      const Layer& L = p.layer[0];
+      const char* wt = smem + L.w_off;
+      for (int kc = 0; kc < L.kp / 32; ++kc) {
+        uint32_t ax[2][4];
+#pragma unroll
+        for (int s = 0; s < 2; ++s) {
+          const int c = kc * 32 + s * 16 + 2 * q;
+          ax[s][0] = load_pair(x, p.m, k0, row0 + g, c);
+          ax[s][1] = load_pair(x, p.m, k0, row0 + g + 8, c);
+          ax[s][2] = load_pair(x, p.m, k0, row0 + g, c + 8);
+          ax[s][3] = load_pair(x, p.m, k0, row0 + g + 8, c + 8);
+        }
+        gmma::pin(acc[0]);
+        gmma::fence();
+#pragma unroll
+        for (int s = 0; s < 2; ++s)
+          gmma::Rs<T, W, 0>::run(acc[0], ax[s], gmma::descriptor(wt + (kc * 2 + s) * 256, 128, 16 * L.kp),
+                                 kc + s > 0);
+        gmma::commit();
+        gmma::wait<0>();
+        gmma::pin(acc[0]);
+      }
+      epilogue_to_a<T, HID, 1, NT>(a, acc, reinterpret_cast<const float*>(smem + L.b_off), p.slope, lane);
+    }
+    // The hidden layers W -> W.
+    for (int l = 1; l < p.layers - 1; ++l) {
+      const Layer& L = p.layer[l];
+      const char* wt = smem + L.w_off;
+      gmma::pin(acc[0]);
+      gmma::fence();
+#pragma unroll
+      for (int kt = 0; kt < KT; ++kt)
+        gmma::Rs<T, W, 0>::run(acc[0], a[0][kt], gmma::descriptor(wt + kt * 256, 128, 16 * W), kt > 0);
+      gmma::commit();
+      gmma::wait<0>();
+      gmma::pin(acc[0]);
+      epilogue_to_a<T, HID, 1, NT>(a, acc, reinterpret_cast<const float*>(smem + L.b_off), p.slope, lane);
+    }
+    switch (p.act_out) {
+#define REGEMM_NARROW_OUT(A) \
+  case A: output_layer_gmma<T, A, W>(p, smem, a, row0, lane); break;
+      REGEMM_NARROW_OUT(Act::kNone) REGEMM_NARROW_OUT(Act::kRelu) REGEMM_NARROW_OUT(Act::kLeakyRelu)
+      REGEMM_NARROW_OUT(Act::kGelu) REGEMM_NARROW_OUT(Act::kGeluErf) REGEMM_NARROW_OUT(Act::kSigmoid)
+      REGEMM_NARROW_OUT(Act::kTanh) REGEMM_NARROW_OUT(Act::kSilu)
+#undef REGEMM_NARROW_OUT
+    }
+  }
+#endif
+}
+
+// Whether this build has the wgmma kernels (CMake defines REGEMM_SM90A where it builds for 90a
+// alone) and the current device runs them (the driver chose their sm_90 binary).
+inline bool gmma_runs_here(const void* kernel) {
+#if defined(REGEMM_SM90A)
+  static std::mutex mu;
+  static std::map<std::pair<int, const void*>, bool> cache;
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) return false;
+  std::lock_guard<std::mutex> lock(mu);
+  auto key = std::make_pair(dev, kernel);
+  auto it = cache.find(key);
+  if (it != cache.end()) return it->second;
+  cudaFuncAttributes attr{};
+  const bool ok = cudaFuncGetAttributes(&attr, kernel) == cudaSuccess && attr.binaryVersion == 90;
+  (void)cudaGetLastError();  // (a kernel with no image here leaves its error behind)
+  return cache[key] = ok;
+#else
+  (void)kernel;
+  return false;
+#endif
+}
+
+template <class T, int W, Act HID>
+cudaError_t launch_fwd_gmma_w(const Params& p, cudaStream_t stream) {
+  constexpr int WGS = gmma_groups(W);
+  const void* kernel = reinterpret_cast<const void*>(&narrow_mlp_fwd_gmma<T, W, HID, WGS>);
+  if (!gmma_runs_here(kernel)) return cudaErrorNoKernelImageForDevice;
+  int resident = 0;
+  cudaError_t e = resident_blocks(kernel, p.weights_bytes, &resident, WGS * 128);
+  if (e != cudaSuccess) return e;
+  const int64_t tiles = (p.m + 63) / 64;
+  const int64_t want = (tiles + WGS - 1) / WGS;
+  const int blocks = int(want < resident ? want : resident);
+  if (blocks == 0) return cudaSuccess;
+  narrow_mlp_fwd_gmma<T, W, HID, WGS><<<blocks, WGS * 128, p.weights_bytes, stream>>>(p);
+  return cudaGetLastError();
+}
+
+// The forward on wgmma; p planned with Layout::kCoreMatrices. cudaErrorNoKernelImageForDevice
+// where this build or device has no wgmma kernel (the caller takes launch_fwd).
+template <class T>
+cudaError_t launch_fwd_gmma(const Params& p, int width, cudaStream_t stream) {
+  cudaError_t e = cudaErrorInvalidValue;
+  with_act(p.act_hidden, [&](auto hid) {
+    constexpr Act A = decltype(hid)::value;
+    switch (width) {
+      case 16: e = launch_fwd_gmma_w<T, 16, A>(p, stream); break;
+      case 32: e = launch_fwd_gmma_w<T, 32, A>(p, stream); break;
+      case 64: e = launch_fwd_gmma_w<T, 64, A>(p, stream); break;
+      case 128: e = launch_fwd_gmma_w<T, 128, A>(p, stream); break;
+    }
+  });
+  return e;
+}
+
+}  // namespace regemm::narrow
