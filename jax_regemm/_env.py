@@ -128,6 +128,9 @@ SWITCHES = (
            "transpose W first (one pass), or swap: compute Y^T = W^T X^T in the register-A kernel."),
     Switch("REGEMM_CUTLASS_TMA_STRIDE0", "call", ON + OFF, "off", "on: TMA kernels for operands broadcast "
            "by a zero batch stride (a developer switch)."),
+    Switch("REGEMM_NARROW_WGMMA", "call", ON + OFF, "on", "The fused narrow MLP's kernels on sm90a's warpgroup "
+           "MMA (wgmma) where this build and GPU have them and they are the faster (the forward from 64 wide); "
+           "off: on mma.sync everywhere (for A/B)."),
     Switch("REGEMM_FUSED_DGRAD", "call", ON + OFF, "unset", "The dgrad GEMM with the layer below's act': on, "
            "always the CUTLASS kernel with act' in its epilogue; off, always the GEMM then the dact pass; "
            "unset, the tuner times them (the rule: fused up to K = 2048)."),

@@ -17,8 +17,7 @@
 #include <string>
 #include <vector>
 
-#include "cuda/narrow/narrow_mlp_bwd.cuh"
-#include "cuda/narrow/narrow_mlp_gmma.cuh"
+#include "cuda/narrow/narrow_mlp_bwd_gmma.cuh"
 
 using T = __nv_bfloat16;
 using namespace regemm;
@@ -166,7 +165,6 @@ static bool run(const Cell& c) {
     std::printf("   weights load alone: %.1f us (%d blocks, %d B)\n", lms * 1e3 / iters, resident, smem);
   }
   }
-  narrow::plan_weights(&p, sizeof(T));  // (the backward's layout)
   if (!c.bwd) return ok;
   // The backward: gy random; the reference on the first `check` rows (a problem of its own).
   const int64_t check = c.m < 2999 ? c.m : 2999;
@@ -179,7 +177,16 @@ static bool run(const Cell& c) {
     CHECK(cudaMalloc(&bp.gw[l], size_t(ks[l]) * ns[l] * sizeof(T)));
     CHECK(cudaMalloc(&bp.gb[l], ns[l] * sizeof(T)));
   }
-  const int bsmem = narrow::plan_bwd(p, c.width, sizeof(T), &bp);
+  // The backward's kernel: on wgmma under NARROW_GMMA where it takes the stack.
+  int bsmem = -1;
+  if (gmma) {
+    narrow::plan_weights(&p, sizeof(T), narrow::Layout::kCoreMatrices);
+    bsmem = narrow::plan_bwd_gmma(p, c.width, &bp);
+  }
+  if (bsmem < 0) {
+    narrow::plan_weights(&p, sizeof(T));
+    bsmem = narrow::plan_bwd(p, c.width, sizeof(T), &bp);
+  }
   int max_blocks = 0;
   CHECK(narrow::bwd_max_blocks<T>(p, c.width, bp, &max_blocks));
   CHECK(cudaMalloc(&bp.partial, size_t(max_blocks) * (bp.dw_floats + bp.db_floats) * 4));
@@ -282,7 +289,7 @@ static bool run(const Cell& c) {
     CHECK(cudaEventElapsedTime(&ms_nw, e0, e1));
     std::printf("   bwd without dW: %.1f us\n", ms_nw * 1e3 / iters);
   }
-  std::printf("   bwd: %.1f us, %.0f TFLOP/s (3x the forward's), smem %d B, %d blocks, %s%s\n", ms * 1e3,
+  std::printf("   bwd%s: %.1f us, %.0f TFLOP/s (3x the forward's), smem %d B, %d blocks, %s%s\n", bp.gmma ? " (wgmma)" : "", ms * 1e3,
               3 * flops / ms * 1e-9, bsmem, bp.blocks, bok ? "ok" : "FAIL", same ? "" : " NOT DETERMINISTIC");
   return ok && bok && same;
 }

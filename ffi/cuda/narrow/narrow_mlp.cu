@@ -10,6 +10,7 @@
 
 #include "cuda/narrow/narrow_launch.h"
 #include "cuda/runtime.h"
+#include "regemm/env.h"
 #include "regemm/handlers.h"
 
 namespace regemm::narrow {
@@ -100,6 +101,18 @@ ffi::Error forward(cudaStream_t stream, ffi::AnyBuffer x, ffi::RemainingArgs arg
   p.y = (*y)->untyped_data();
   int limit = 0;
   REGEMM_CUDA_CHECK(max_smem(&limit));
+  // On wgmma from 64 wide, where this build and the device have it (H100, kernel alone: 2^20 x
+  // 128 x 4 351 -> 233 us, 2^18 x 64 41 -> 37; at 32 wide it lost, 63 -> 69; 16 level).
+  if (s.width >= 64 && !env_off("REGEMM_NARROW_WGMMA")) {
+    Params g = p;
+    if (plan_weights(&g, 2, Layout::kCoreMatrices) <= limit) {
+      const cudaError_t e = by_dtype(s.dtype, [&](auto t) { return launch_fwd_gmma<decltype(t)>(g, s.width, stream); });
+      if (e != cudaErrorNoKernelImageForDevice) {
+        REGEMM_CUDA_CHECK(e);
+        return ffi::Error::Success();
+      }
+    }
+  }
   if (p.weights_bytes > limit) return bad("narrow MLP: the weights do not fit in shared memory");
   REGEMM_CUDA_CHECK(by_dtype(s.dtype, [&](auto t) { return launch_fwd<decltype(t)>(p, s.width, stream); }));
   return ffi::Error::Success();
@@ -127,16 +140,38 @@ ffi::Error backward(cudaStream_t stream, ffi::AnyBuffer x, ffi::RemainingArgs ar
     bp.gw[l] = ret(1 + l)->element_count() ? ret(1 + l)->untyped_data() : nullptr;
     bp.gb[l] = ret(1 + layers + l)->element_count() ? ret(1 + layers + l)->untyped_data() : nullptr;
   }
-  const int smem = plan_bwd(p, s.width, 2, &bp);
   int limit = 0;
   REGEMM_CUDA_CHECK(max_smem(&limit));
-  if (smem < 0 || smem > limit) return bad("narrow MLP backward: the kernel does not take this stack (width, depth or shared memory)");
   auto ws = ret(2 * layers + 1);
   bp.partial = static_cast<float*>(ws->untyped_data());
-  REGEMM_CUDA_CHECK(by_dtype(s.dtype, [&](auto t) { return bwd_blocks<decltype(t)>(p, s.width, bp, &bp.blocks); }));
-  if (int64_t(bp.blocks) * (bp.dw_floats + bp.db_floats) * 4 > int64_t(ws->size_bytes()))
-    return bad("narrow MLP backward: the workspace is smaller than the lowering said");
-  REGEMM_CUDA_CHECK(by_dtype(s.dtype, [&](auto t) { return launch_bwd<decltype(t)>(p, s.width, bp, stream); }));
+  auto run = [&](const Params& q, BwdParams& b) {
+    return by_dtype(s.dtype, [&](auto t) {
+      cudaError_t e = bwd_blocks<decltype(t)>(q, s.width, b, &b.blocks);
+      if (e != cudaSuccess) return e;
+      if (int64_t(b.blocks) * (b.dw_floats + b.db_floats) * 4 > int64_t(ws->size_bytes())) return cudaErrorInvalidValue;
+      return launch_bwd<decltype(t)>(q, s.width, b, stream);
+    });
+  };
+  // On wgmma where its kernel takes the stack, this build and the device have it.
+  if (!env_off("REGEMM_NARROW_WGMMA")) {
+    Params g = p;
+    BwdParams gb = bp;
+    plan_weights(&g, 2, Layout::kCoreMatrices);
+    const int smem = plan_bwd_gmma(g, s.width, &gb);
+    if (smem >= 0 && smem <= limit) {
+      const cudaError_t e = run(g, gb);
+      if (e != cudaErrorNoKernelImageForDevice) {
+        if (e == cudaErrorInvalidValue) return bad("narrow MLP backward: the workspace is smaller than the lowering said");
+        REGEMM_CUDA_CHECK(e);
+        return ffi::Error::Success();
+      }
+    }
+  }
+  const int smem = plan_bwd(p, s.width, 2, &bp);
+  if (smem < 0 || smem > limit) return bad("narrow MLP backward: the kernel does not take this stack (width, depth or shared memory)");
+  const cudaError_t e = run(p, bp);
+  if (e == cudaErrorInvalidValue) return bad("narrow MLP backward: the workspace is smaller than the lowering said");
+  REGEMM_CUDA_CHECK(e);
   return ffi::Error::Success();
 }
 
@@ -197,14 +232,24 @@ int64_t smem_limit() {
 int64_t bwd_workspace_bytes(bool f16, int k0, int width, int layers, int n_out, std::string_view act) {
   Act a;
   if (!parse_act(act, &a) || smem_bytes(k0, width, layers, n_out, true) < 0) return -1;
+  // The larger of the two kernels' partial sums (the handler takes either).
+  auto bytes = [&](const Params& p, const BwdParams& bp) -> int64_t {
+    int blocks = 0;
+    const cudaError_t e = f16 ? bwd_max_blocks<__half>(p, width, bp, &blocks)
+                              : bwd_max_blocks<__nv_bfloat16>(p, width, bp, &blocks);
+    return e == cudaSuccess ? int64_t(blocks) * (bp.dw_floats + bp.db_floats) * 4 : -1;
+  };
   Params p = plan_of(k0, width, layers, n_out, a);
   BwdParams bp{};
   if (plan_bwd(p, width, 2, &bp) > smem_limit()) return -1;
-  int blocks = 0;
-  const cudaError_t e = f16 ? bwd_max_blocks<__half>(p, width, bp, &blocks)
-                            : bwd_max_blocks<__nv_bfloat16>(p, width, bp, &blocks);
-  if (e != cudaSuccess) return -1;
-  return int64_t(blocks) * (bp.dw_floats + bp.db_floats) * 4;
+  const int64_t plain = bytes(p, bp);
+  if (plain < 0) return -1;
+  Params g = p;
+  BwdParams gb{};
+  plan_weights(&g, 2, Layout::kCoreMatrices);
+  const int gsmem = plan_bwd_gmma(g, width, &gb);
+  const int64_t on_gmma = gsmem >= 0 && gsmem <= smem_limit() ? bytes(g, gb) : -1;
+  return on_gmma > plain ? on_gmma : plain;
 }
 
 }  // namespace regemm::narrow

@@ -47,6 +47,7 @@ struct BwdParams {
   int sums_off;                  // the warps' db sums (f32): a row of db_floats per warp
   int smem_bytes;
   int blocks;  // the persistent grid: how many partial sums the reduction adds
+  bool gmma;   // planned for the wgmma kernel (narrow_mlp_bwd_gmma.cuh): dW sums row-major [kp][np]
 };
 
 template <class T>
@@ -402,7 +403,8 @@ __global__ void __launch_bounds__(kBwdWarps * 32, bwd_min_blocks(W)) narrow_mlp_
   }
 }
 
-// gW_l and gb_l: the blocks' partial sums added in block order (deterministic), as T.
+// gW_l and gb_l: the blocks' partial sums added in block order (deterministic), as T. (Both
+// backward kernels: the dW sums in fragment order, or row-major from the wgmma kernel.)
 template <class T>
 __global__ void narrow_mlp_bwd_reduce(const Params p, const BwdParams bp) {
   const int per_block = bp.dw_floats + bp.db_floats;
@@ -414,7 +416,8 @@ __global__ void narrow_mlp_bwd_reduce(const Params p, const BwdParams bp) {
       const Layer& L = p.layer[l];
       const int idx = e - bp.dw_off[l], tile = idx >> 7, ln = (idx >> 2) & 31, i = idx & 3;
       const int mt = tile / (L.np / 8), nt = tile % (L.np / 8);
-      const int k = mt * 16 + (ln >> 2) + (i >> 1) * 8, n = nt * 8 + 2 * (ln & 3) + (i & 1);
+      const int k = bp.gmma ? idx / L.np : mt * 16 + (ln >> 2) + (i >> 1) * 8;
+      const int n = bp.gmma ? idx % L.np : nt * 8 + 2 * (ln & 3) + (i & 1);
       if (bp.gw[l] == nullptr || k >= L.k || n >= L.n) continue;
       dst = static_cast<T*>(bp.gw[l]) + (p.w_transposed ? int64_t(n) * L.k + k : int64_t(k) * L.n + n);
     } else {
@@ -469,62 +472,8 @@ inline int plan_bwd(const Params& p, int width, int elem_bytes, BwdParams* bp) {
   }
   bp->db_floats = c;
   bp->smem_bytes = bp->sums_off + kBwdWarps * bp->db_floats * 4;
+  bp->gmma = false;
   return bp->smem_bytes;
-}
-
-template <class T, int W, Act HID>
-const void* bwd_kernel() {
-  return reinterpret_cast<const void*>(&narrow_mlp_bwd<T, W, HID>);
-}
-
-template <class T>
-const void* bwd_kernel(int width, Act hid) {
-  const void* k = nullptr;
-  with_act(hid, [&](auto a) {
-    constexpr Act A = decltype(a)::value;
-    switch (width) {
-      case 16: k = bwd_kernel<T, 16, A>(); break;
-      case 32: k = bwd_kernel<T, 32, A>(); break;
-      case 64: k = bwd_kernel<T, 64, A>(); break;
-    }
-  });
-  return k;
-}
-
-// The partial sums' blocks: the persistent grid of the backward for p (planned by plan_bwd).
-template <class T>
-cudaError_t bwd_blocks(const Params& p, int width, const BwdParams& bp, int* blocks) {
-  const void* kernel = bwd_kernel<T>(width, p.act_hidden);
-  if (kernel == nullptr) return cudaErrorInvalidValue;
-  int resident = 0;
-  cudaError_t e = resident_blocks(kernel, bp.smem_bytes, &resident, kBwdWarps * 32);
-  if (e != cudaSuccess) return e;
-  const int64_t chunks = (p.m + 16 * kBwdWarps - 1) / (16 * kBwdWarps);
-  *blocks = int(chunks < resident ? chunks : resident);
-  return cudaSuccess;
-}
-
-// The most partial sums any M needs (the workspace the lowering sizes: resident blocks).
-template <class T>
-cudaError_t bwd_max_blocks(const Params& p, int width, const BwdParams& bp, int* blocks) {
-  const void* kernel = bwd_kernel<T>(width, p.act_hidden);
-  if (kernel == nullptr) return cudaErrorInvalidValue;
-  return resident_blocks(kernel, bp.smem_bytes, blocks, kBwdWarps * 32);
-}
-
-// The backward on `stream`: bp planned, bp.blocks set (bwd_blocks), bp.partial holding
-// bp.blocks * (dw_floats + db_floats) floats.
-template <class T>
-cudaError_t launch_bwd(const Params& p, int width, const BwdParams& bp, cudaStream_t stream) {
-  if (bp.blocks > 0) {
-    const void* kernel = bwd_kernel<T>(width, p.act_hidden);
-    void* args[] = {const_cast<Params*>(&p), const_cast<BwdParams*>(&bp)};
-    cudaError_t e = cudaLaunchKernel(kernel, dim3(bp.blocks), dim3(kBwdWarps * 32), args, bp.smem_bytes, stream);
-    if (e != cudaSuccess) return e;
-  }
-  const int per_block = bp.dw_floats + bp.db_floats;
-  narrow_mlp_bwd_reduce<T><<<(per_block + 255) / 256, 256, 0, stream>>>(p, bp);
-  return cudaGetLastError();
 }
 
 }  // namespace regemm::narrow
