@@ -18,7 +18,8 @@ _SOURCES = ["jax_regemm", "ffi", "tools", "tests", "benchmarks", "examples", "CM
 _NOT_SWITCHES = {"REGEMM_HD", "REGEMM_CUDA_CHECK", "REGEMM_CUBLAS_CHECK", "REGEMM_LAUNCH_CHECK", "REGEMM_ACT_CASE",
                  "REGEMM_ISA", "REGEMM_ISAS", "REGEMM_X86_ISAS", "REGEMM_DT", "REGEMM_TA", "REGEMM_TB",
                  "REGEMM_CFG", "REGEMM_ACT", "REGEMM_SLOT", "REGEMM_CUTLASS_NVCC_FLAGS", "REGEMM_NOT_SET",
-                 "REGEMM_NARROW_FWD", "REGEMM_NARROW_BWD", "REGEMM_NARROW_OUT"}  # fmt: skip
+                 "REGEMM_NARROW_FWD", "REGEMM_NARROW_BWD", "REGEMM_NARROW_OUT", "REGEMM_GMMA_FAMILY",
+                 "REGEMM_SM90A"}  # fmt: skip
 
 
 def _lower(x):

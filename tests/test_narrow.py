@@ -253,6 +253,25 @@ def test_switch_off_runs_per_layer(narrow, rand, monkeypatch):
     assert calls(lambda x: rg.mlp(x, ws, bs), x) == (0, 0)
 
 
+# Stacks (width, hidden layers, K0, N_out, act, dtype) the wgmma kernels take (the backward: 16-64
+# wide, 1-4 hidden relu/gelu, K0 <= 64, N_out <= 16; the forward: from 64 wide), and one each
+# kernel leaves to mma.sync.
+WGMMA_STACKS = [(16, 1, 32, 16, "relu", jnp.bfloat16), (32, 3, 20, 8, "gelu", jnp.float16),
+                (64, 4, 32, 16, "relu", jnp.bfloat16), (64, 2, 64, 3, "gelu", jnp.bfloat16),
+                (64, 3, 40, 16, "silu", jnp.float16), (128, 2, 72, 24, "relu", jnp.bfloat16)]
+
+
+@gpu_only
+@pytest.mark.parametrize("switch", ["on", "off"])
+@pytest.mark.parametrize("width,hidden,k0,n_out,act,dtype", WGMMA_STACKS)
+def test_wgmma_and_mma_sync_kernels(narrow, rand, monkeypatch, switch, width, hidden, k0, n_out, act, dtype):
+    """Both forms of the kernels against the reference: sm90a's wgmma where they take the stack
+    (REGEMM_NARROW_WGMMA on, the default) and mma.sync (off)."""
+    monkeypatch.setenv("REGEMM_NARROW_WGMMA", switch)
+    ws, bs = block(rand, [k0] + [width] * hidden + [n_out], dtype)
+    check(rand.normal((3001, k0), dtype), ws, bs, act, "none")
+
+
 @gpu_only
 def test_gradients_are_deterministic(narrow, rand):
     """The weight gradients sum the blocks' partial sums in one order: the same bits every run."""
