@@ -26,6 +26,7 @@ backward epilogue's partial sums, cuBLAS and CUTLASS. Prints "workload ok" last.
 
 from __future__ import annotations
 
+import itertools
 import os
 import sys
 
@@ -94,11 +95,14 @@ def narrow_mlp():
     # The fused narrow MLP (ffi/cuda/narrow; shared memory is where it can go wrong, under every
     # tool: it has no TMA): each hidden width, bf16 and f16, ragged rows and odd K0 / N_out (the
     # weight load's element path; N_out = 16 and the hidden layers its 16-byte path), a layer
-    # without bias, M = 0; forward and backward (its partial sums and their reduction).
+    # without bias, M = 0; forward and backward (its partial sums and their reduction); each on
+    # wgmma where it takes the stack and on mma.sync (REGEMM_NARROW_WGMMA, read at every call).
     narrow = ((16, 3, jnp.bfloat16, "relu", 1000, 5), (32, 2, jnp.float16, "gelu", 333, 17),
               (64, 4, jnp.bfloat16, "silu", 700, 16), (128, 1, jnp.float16, "tanh", 129, 3),
-              (128, 1, jnp.bfloat16, "relu", 300, 16), (32, 2, jnp.bfloat16, "leaky_relu", 0, 8))  # fmt: skip
-    for width, hidden, dtype, act, m, n_out in narrow:
+              (128, 1, jnp.bfloat16, "relu", 300, 16), (32, 2, jnp.bfloat16, "leaky_relu", 0, 8),
+              (64, 2, jnp.float16, "gelu", 515, 16), (32, 4, jnp.bfloat16, "relu", 257, 16))  # fmt: skip
+    for (width, hidden, dtype, act, m, n_out), wgmma in itertools.product(narrow, ("on", "off")):
+        os.environ["REGEMM_NARROW_WGMMA"] = wgmma
         dims = [7] + [width] * hidden + [n_out]
         ws = [rand((k, n), dtype) * (1 / k**0.5) for k, n in zip(dims, dims[1:])]
         bs = [rand((n,), dtype) if i != 1 else None for i, n in enumerate(dims[1:])]
@@ -112,6 +116,7 @@ def narrow_mlp():
         assert ("regemm_narrow_mlp_bwd_v1" in hlo) == (width <= 64), (width, hidden)
         for g in jax.tree.leaves(jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(xn, ws, bs)):
             assert np.all(np.isfinite(np.asarray(g, np.float32))), (width, dtype, act)
+    os.environ.pop("REGEMM_NARROW_WGMMA")
 
 
 def main():
