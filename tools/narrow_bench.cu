@@ -99,71 +99,71 @@ static bool run(const Cell& c) {
   float ms = 0;
   double flops = 0;
   const int iters = 50;
-  for (int pass = 0; pass < (gmma ? 2 : 1); ++pass) {
-  const bool on_gmma = pass == 1;
-  const int smem = narrow::plan_weights(&p, sizeof(T), on_gmma ? narrow::Layout::kCoreMatrices : narrow::Layout::kPaddedRows);
-  auto fwd = [&] { return on_gmma ? narrow::launch_fwd_gmma<T>(p, c.width, nullptr) : narrow::launch_fwd<T>(p, c.width, nullptr); };
-  CHECK(cudaMemset(p.y, 0xff, c.m * c.out * sizeof(T)));
-  CHECK(fwd());
-  CHECK(cudaDeviceSynchronize());
-  std::vector<T> yd(c.m * c.out);
-  CHECK(cudaMemcpy(yd.data(), p.y, yd.size() * sizeof(T), cudaMemcpyDeviceToHost));
-  // The reference on a sample of rows.
-  double max_err = 0, max_ref = 0;
-  const int64_t step = c.m > 4096 ? c.m / 4096 : 1;
-  for (int64_t r = 0; r < c.m; r += step) {
-    std::vector<float> h(x.begin() + r * c.k0, x.begin() + (r + 1) * c.k0);
-    for (int l = 0; l < layers; ++l) {
-      std::vector<float> o(ns[l]);
-      for (int n = 0; n < ns[l]; ++n) {
-        float acc = 0;
-        for (int k = 0; k < ks[l]; ++k) acc += h[k] * w[l][size_t(k) * ns[l] + n];
-        const float z = acc + b[l][n];
-        o[n] = bf(act_fwd<float>(l == layers - 1 ? Act::kNone : c.act, z, 0.01f));
+  for (int pass = 0; pass < (gmma ? 2 : 1); ++pass) {  // mma.sync, then (NARROW_GMMA) wgmma
+    const bool on_gmma = pass == 1;
+    const int smem = narrow::plan_weights(&p, sizeof(T), on_gmma ? narrow::Layout::kCoreMatrices : narrow::Layout::kPaddedRows);
+    auto fwd = [&] { return on_gmma ? narrow::launch_fwd_gmma<T>(p, c.width, nullptr) : narrow::launch_fwd<T>(p, c.width, nullptr); };
+    CHECK(cudaMemset(p.y, 0xff, c.m * c.out * sizeof(T)));
+    CHECK(fwd());
+    CHECK(cudaDeviceSynchronize());
+    std::vector<T> yd(c.m * c.out);
+    CHECK(cudaMemcpy(yd.data(), p.y, yd.size() * sizeof(T), cudaMemcpyDeviceToHost));
+    // The reference on a sample of rows.
+    double max_err = 0, max_ref = 0;
+    const int64_t step = c.m > 4096 ? c.m / 4096 : 1;
+    for (int64_t r = 0; r < c.m; r += step) {
+      std::vector<float> h(x.begin() + r * c.k0, x.begin() + (r + 1) * c.k0);
+      for (int l = 0; l < layers; ++l) {
+        std::vector<float> o(ns[l]);
+        for (int n = 0; n < ns[l]; ++n) {
+          float acc = 0;
+          for (int k = 0; k < ks[l]; ++k) acc += h[k] * w[l][size_t(k) * ns[l] + n];
+          const float z = acc + b[l][n];
+          o[n] = bf(act_fwd<float>(l == layers - 1 ? Act::kNone : c.act, z, 0.01f));
+        }
+        h = o;
       }
-      h = o;
+      for (int n = 0; n < c.out; ++n) {
+        const double got = __bfloat162float(yd[r * c.out + n]);
+        max_err = std::fmax(max_err, std::fabs(got - h[n]));
+        max_ref = std::fmax(max_ref, std::fabs(h[n]));
+      }
     }
-    for (int n = 0; n < c.out; ++n) {
-      const double got = __bfloat162float(yd[r * c.out + n]);
-      max_err = std::fmax(max_err, std::fabs(got - h[n]));
-      max_ref = std::fmax(max_ref, std::fabs(h[n]));
-    }
-  }
 
-  CHECK(cudaEventRecord(e0));
-  for (int i = 0; i < iters; ++i) CHECK(fwd());
-  CHECK(cudaEventRecord(e1));
-  CHECK(cudaEventSynchronize(e1));
-  CHECK(cudaEventElapsedTime(&ms, e0, e1));
-  ms /= iters;
-  flops = 0;
-  for (int l = 0; l < layers; ++l) flops += 2.0 * c.m * ks[l] * ns[l];
-  const double bytes = double(c.m) * (c.k0 + c.out) * sizeof(T);
-  const bool fok = max_err <= 2e-2 * std::fmax(1.0, max_ref);
-  ok = ok && fok;
-  std::printf("%lldx%dx%dx%dx%d %s fwd%s: %.1f us, %.0f TFLOP/s, %.2f TB/s, smem %d B, max err %.3g (max |y| %.3g) %s\n",
-              (long long)c.m, c.k0, c.width, c.hidden, c.out, std::string(kActNames[int(c.act)]).c_str(), on_gmma ? " (wgmma)" : "",
-              ms * 1e3, flops / ms * 1e-9, bytes / ms * 1e-9, smem, max_err, max_ref, fok ? "ok" : "FAIL");
-  if (std::getenv("NARROW_LOAD_ONLY")) {  // the weight load alone: one wave of blocks, so about one block's load
-    int resident = 0, *sink = nullptr;
-    CHECK(cudaMalloc(&sink, sizeof(int)));
-    const bool wide = narrow::fwd_warps(c.width) == 16;
-    static_assert(narrow::fwd_warps(128) == 16 && narrow::fwd_warps(64) == narrow::kWarps, "the forward's block sizes");
-    const void* kernel = wide ? reinterpret_cast<const void*>(&load_only<16>)
-                              : reinterpret_cast<const void*>(&load_only<narrow::kWarps>);
-    const int threads = narrow::fwd_warps(c.width) * 32;
-    CHECK(narrow::resident_blocks(kernel, smem, &resident, threads));
     CHECK(cudaEventRecord(e0));
-    for (int i = 0; i < iters; ++i) {
-      if (wide) load_only<16><<<resident, threads, smem>>>(p, sink);
-      else load_only<narrow::kWarps><<<resident, threads, smem>>>(p, sink);
-    }
+    for (int i = 0; i < iters; ++i) CHECK(fwd());
     CHECK(cudaEventRecord(e1));
     CHECK(cudaEventSynchronize(e1));
-    float lms = 0;
-    CHECK(cudaEventElapsedTime(&lms, e0, e1));
-    std::printf("   weights load alone: %.1f us (%d blocks, %d B)\n", lms * 1e3 / iters, resident, smem);
-  }
+    CHECK(cudaEventElapsedTime(&ms, e0, e1));
+    ms /= iters;
+    flops = 0;
+    for (int l = 0; l < layers; ++l) flops += 2.0 * c.m * ks[l] * ns[l];
+    const double bytes = double(c.m) * (c.k0 + c.out) * sizeof(T);
+    const bool fok = max_err <= 2e-2 * std::fmax(1.0, max_ref);
+    ok = ok && fok;
+    std::printf("%lldx%dx%dx%dx%d %s fwd%s: %.1f us, %.0f TFLOP/s, %.2f TB/s, smem %d B, max err %.3g (max |y| %.3g) %s\n",
+                (long long)c.m, c.k0, c.width, c.hidden, c.out, std::string(kActNames[int(c.act)]).c_str(), on_gmma ? " (wgmma)" : "",
+                ms * 1e3, flops / ms * 1e-9, bytes / ms * 1e-9, smem, max_err, max_ref, fok ? "ok" : "FAIL");
+    if (std::getenv("NARROW_LOAD_ONLY")) {  // the weight load alone: one wave of blocks, so about one block's load
+      int resident = 0, *sink = nullptr;
+      CHECK(cudaMalloc(&sink, sizeof(int)));
+      const bool wide = narrow::fwd_warps(c.width) == 16;
+      static_assert(narrow::fwd_warps(128) == 16 && narrow::fwd_warps(64) == narrow::kWarps, "the forward's block sizes");
+      const void* kernel = wide ? reinterpret_cast<const void*>(&load_only<16>)
+                                : reinterpret_cast<const void*>(&load_only<narrow::kWarps>);
+      const int threads = narrow::fwd_warps(c.width) * 32;
+      CHECK(narrow::resident_blocks(kernel, smem, &resident, threads));
+      CHECK(cudaEventRecord(e0));
+      for (int i = 0; i < iters; ++i) {
+        if (wide) load_only<16><<<resident, threads, smem>>>(p, sink);
+        else load_only<narrow::kWarps><<<resident, threads, smem>>>(p, sink);
+      }
+      CHECK(cudaEventRecord(e1));
+      CHECK(cudaEventSynchronize(e1));
+      float lms = 0;
+      CHECK(cudaEventElapsedTime(&lms, e0, e1));
+      std::printf("   weights load alone: %.1f us (%d blocks, %d B)\n", lms * 1e3 / iters, resident, smem);
+    }
   }
   if (!c.bwd) return ok;
   // The backward: gy random; the reference on the first `check` rows (a problem of its own).
