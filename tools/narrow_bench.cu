@@ -40,7 +40,7 @@ struct Cell { int64_t m; int k0, width, hidden, out; Act act; bool bwd; };
 // forward's (resident_blocks caches a kernel's occupancy by its shared memory alone).
 template <int WARPS>
 __global__ void __launch_bounds__(WARPS * 32) load_only(const narrow::Params p, int* sink) {
-  extern __shared__ __align__(16) char smem[];
+  extern __shared__ __align__(128) char smem[];  // (128: as the wgmma kernels declare it)
   narrow::load_weights<T>(p, smem);
   __syncthreads();
   if (threadIdx.x == 0 && smem[blockIdx.x % 64] == 123) atomicAdd(sink, 1);  // (keeps the load)

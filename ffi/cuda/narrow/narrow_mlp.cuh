@@ -284,7 +284,7 @@ __device__ __forceinline__ void output_layer(const Params& p, const char* smem, 
 // once (they share each B fragment); WARPS a block.
 template <class T, int W, int RT, Act HID, int WARPS>
 __global__ void __launch_bounds__(WARPS * 32) narrow_mlp_fwd(const Params p) {
-  extern __shared__ __align__(16) char smem[];
+  extern __shared__ __align__(128) char smem[];  // (128: as the wgmma kernels declare it)
   load_weights<T>(p, smem);
   __syncthreads();
   constexpr int NT = W / 8, KT = W / 16;

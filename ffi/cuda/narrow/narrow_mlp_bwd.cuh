@@ -267,7 +267,7 @@ __device__ __forceinline__ void hidden_grad(uint32_t (&ga)[W / 16][4], const flo
 
 template <class T, int W, Act HID>
 __global__ void __launch_bounds__(kBwdWarps * 32, bwd_min_blocks(W)) narrow_mlp_bwd(const Params p, const BwdParams bp) {
-  extern __shared__ __align__(16) char smem[];
+  extern __shared__ __align__(128) char smem[];  // (128: as the wgmma kernels declare it)
   constexpr int NT = W / 8, KT = W / 16, WS = W + kPad, TILES = dw_tiles(W);
   load_weights<T>(p, smem);
   {

@@ -94,16 +94,7 @@ __device__ __forceinline__ void top_grad_gmma(const Params& p, const BwdParams& 
   const Layer& L = p.layer[p.layers - 1];
   const float* bias = reinterpret_cast<const float*>(smem + L.b_off);
   float o[2][4] = {};
-  if constexpr (A != Act::kNone) {
-    gmma::pin(o);
-    gmma::fence();
-#pragma unroll
-    for (int kt = 0; kt < W / 16; ++kt)
-      gmma::Rs<T, 16, 0>::run(o, a[0][kt], gmma::descriptor(smem + L.w_off + kt * 256, 128, 16 * W), kt > 0);
-    gmma::commit();
-    gmma::wait<0>();
-    gmma::pin(o);
-  }
+  if constexpr (A != Act::kNone) layer_mma<T, 16, W / 16>(o, a[0], smem + L.w_off, W);
   const T* gy = static_cast<const T*>(bp.gy);
   float sums[4];
 #pragma unroll
@@ -156,7 +147,6 @@ __global__ void __launch_bounds__(128, gmma_bwd_min_blocks(W)) narrow_mlp_bwd_gm
   auto G = [&](int l) { return smem + bp.g_off[l % 3]; };
   auto Wt = [&](int l) { return smem + p.layer[l].w_off; };
   float* db = reinterpret_cast<float*>(smem + bp.sums_off) + warp * bp.db_floats;
-  const T* x = static_cast<const T*>(p.x);
   const int k0 = p.layer[0].k, kp0 = p.layer[0].kp;
   const bool want_dw = bp.gw[0] != nullptr;
   float dw[D][NT][4];  // dW_0 .. dW_{D-1}: M = the layer's input width padded to 64, N = W
@@ -181,35 +171,18 @@ __global__ void __launch_bounds__(128, gmma_bwd_min_blocks(W)) narrow_mlp_bwd_gm
 #pragma unroll
       for (int s = 0; s < 2; ++s) {
         const int c = kc * 32 + s * 16 + 2 * q;
-        ax[s][0] = load_pair(x, p.m, k0, row0 + r0, c);
-        ax[s][1] = load_pair(x, p.m, k0, row0 + r0 + 8, c);
-        ax[s][2] = load_pair(x, p.m, k0, row0 + r0, c + 8);
-        ax[s][3] = load_pair(x, p.m, k0, row0 + r0 + 8, c + 8);
+        x_operand<T>(ax[s], p, row0 + r0, c);
         mn_pair<T>(H(0), r0, c) = ax[s][0];
         mn_pair<T>(H(0), r0 + 8, c) = ax[s][1];
         mn_pair<T>(H(0), r0, c + 8) = ax[s][2];
         mn_pair<T>(H(0), r0 + 8, c + 8) = ax[s][3];
       }
-      gmma::pin(acc[0]);
-      gmma::fence();
-#pragma unroll
-      for (int s = 0; s < 2; ++s)
-        gmma::Rs<T, W, 0>::run(acc[0], ax[s], gmma::descriptor(Wt(0) + (kc * 2 + s) * 256, 128, 16 * kp0), kc + s > 0);
-      gmma::commit();
-      gmma::wait<0>();
-      gmma::pin(acc[0]);
+      layer_mma<T, W, 2>(acc[0], ax, Wt(0) + kc * 512, kp0, kc > 0);
     }
     keep_z<T, HID, NT>(a, acc[0], reinterpret_cast<const float*>(smem + p.layer[0].b_off), p.slope, H(1), r0, q);
 #pragma unroll
     for (int l = 1; l < D; ++l) {
-      gmma::pin(acc[0]);
-      gmma::fence();
-#pragma unroll
-      for (int kt = 0; kt < KT; ++kt)
-        gmma::Rs<T, W, 0>::run(acc[0], a[0][kt], gmma::descriptor(Wt(l) + kt * 256, 128, 16 * W), kt > 0);
-      gmma::commit();
-      gmma::wait<0>();
-      gmma::pin(acc[0]);
+      layer_mma<T, W, KT>(acc[0], a[0], Wt(l), W);
       keep_z<T, HID, NT>(a, acc[0], reinterpret_cast<const float*>(smem + p.layer[l].b_off), p.slope, H(l + 1), r0, q);
     }
     // The output layer's gZ.

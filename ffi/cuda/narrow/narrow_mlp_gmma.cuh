@@ -20,6 +20,32 @@ namespace regemm::narrow {
 constexpr int gmma_groups(int width) { return width >= 128 ? 3 : 2; }
 constexpr int gmma_min_blocks(int width) { return width >= 128 ? 1 : width >= 64 ? 2 : width >= 32 ? 3 : 4; }
 
+// acc (=, or += where accumulate) A B: A in registers (KT k steps of 16), B a layer's Wt from
+// wt (K-major, rows of kp elements); one chain of MMAs, waited for (its epilogue follows).
+template <class T, int N, int KT>
+__device__ __forceinline__ void layer_mma(float (&acc)[N / 8][4], const uint32_t (&a)[KT][4], const char* wt, int kp,
+                                          bool accumulate = false) {
+  gmma::pin(acc);
+  gmma::fence();
+#pragma unroll
+  for (int kt = 0; kt < KT; ++kt)
+    gmma::Rs<T, N, 0>::run(acc, a[kt], gmma::descriptor(wt + kt * 256, 128, 16 * kp), accumulate || kt > 0);
+  gmma::commit();
+  gmma::wait<0>();
+  gmma::pin(acc);
+}
+
+// The A operand of x's columns c.. c + 16 for rows r and r + 8 (zero outside x).
+template <class T>
+__device__ __forceinline__ void x_operand(uint32_t (&ax)[4], const Params& p, int64_t r, int c) {
+  const T* x = static_cast<const T*>(p.x);
+  const int k0 = p.layer[0].k;
+  ax[0] = load_pair(x, p.m, k0, r, c);
+  ax[1] = load_pair(x, p.m, k0, r + 8, c);
+  ax[2] = load_pair(x, p.m, k0, r, c + 8);
+  ax[3] = load_pair(x, p.m, k0, r + 8, c + 8);
+}
+
 // The output layer W -> N_out, 16 columns at a time (m64n16k16), stored from the registers.
 template <class T, Act A, int W>
 __device__ __forceinline__ void output_layer_gmma(const Params& p, const char* smem, const uint32_t (&a)[1][W / 16][4],
@@ -32,14 +58,7 @@ __device__ __forceinline__ void output_layer_gmma(const Params& p, const char* s
   T* y = static_cast<T*>(p.y);
   for (int j = 0; j < L.np / 16; ++j) {
     float o[2][4] = {};
-    gmma::pin(o);
-    gmma::fence();
-#pragma unroll
-    for (int kt = 0; kt < KT; ++kt)
-      gmma::Rs<T, 16, 0>::run(o, a[0][kt], gmma::descriptor(wt + (j * 32 * W + kt * 256), 128, 16 * W), kt > 0);
-    gmma::commit();
-    gmma::wait<0>();
-    gmma::pin(o);
+    layer_mma<T, 16, KT>(o, a[0], wt + j * 32 * W, W);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int c = j * 16 + h * 8 + 2 * q;
@@ -60,8 +79,6 @@ __global__ void __launch_bounds__(WGS * 128, gmma_min_blocks(W)) narrow_mlp_fwd_
   constexpr int NT = W / 8, KT = W / 16;
   const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3, wg = threadIdx.x >> 7;
   const int g = lane >> 2, q = lane & 3;
-  const T* x = static_cast<const T*>(p.x);
-  const int k0 = p.layer[0].k;
   const int64_t tiles = (p.m + 63) / 64;
   float acc[1][NT][4];
   zero(acc);
@@ -74,38 +91,16 @@ __global__ void __launch_bounds__(WGS * 128, gmma_min_blocks(W)) narrow_mlp_fwd_
       const char* wt = smem + L.w_off;
       for (int kc = 0; kc < L.kp / 32; ++kc) {
         uint32_t ax[2][4];
-#pragma unroll
-        for (int s = 0; s < 2; ++s) {
-          const int c = kc * 32 + s * 16 + 2 * q;
-          ax[s][0] = load_pair(x, p.m, k0, row0 + g, c);
-          ax[s][1] = load_pair(x, p.m, k0, row0 + g + 8, c);
-          ax[s][2] = load_pair(x, p.m, k0, row0 + g, c + 8);
-          ax[s][3] = load_pair(x, p.m, k0, row0 + g + 8, c + 8);
-        }
-        gmma::pin(acc[0]);
-        gmma::fence();
-#pragma unroll
-        for (int s = 0; s < 2; ++s)
-          gmma::Rs<T, W, 0>::run(acc[0], ax[s], gmma::descriptor(wt + (kc * 2 + s) * 256, 128, 16 * L.kp),
-                                 kc + s > 0);
-        gmma::commit();
-        gmma::wait<0>();
-        gmma::pin(acc[0]);
+        x_operand<T>(ax[0], p, row0 + g, kc * 32 + 2 * q);
+        x_operand<T>(ax[1], p, row0 + g, kc * 32 + 16 + 2 * q);
+        layer_mma<T, W, 2>(acc[0], ax, wt + kc * 512, L.kp, kc > 0);
       }
       epilogue_to_a<T, HID, 1, NT>(a, acc, reinterpret_cast<const float*>(smem + L.b_off), p.slope, lane);
     }
     // The hidden layers W -> W.
     for (int l = 1; l < p.layers - 1; ++l) {
       const Layer& L = p.layer[l];
-      const char* wt = smem + L.w_off;
-      gmma::pin(acc[0]);
-      gmma::fence();
-#pragma unroll
-      for (int kt = 0; kt < KT; ++kt)
-        gmma::Rs<T, W, 0>::run(acc[0], a[0][kt], gmma::descriptor(wt + kt * 256, 128, 16 * W), kt > 0);
-      gmma::commit();
-      gmma::wait<0>();
-      gmma::pin(acc[0]);
+      layer_mma<T, W, KT>(acc[0], a[0], smem + L.w_off, W);
       epilogue_to_a<T, HID, 1, NT>(a, acc, reinterpret_cast<const float*>(smem + L.b_off), p.slope, lane);
     }
     switch (p.act_out) {
