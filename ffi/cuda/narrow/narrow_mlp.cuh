@@ -399,33 +399,44 @@ inline cudaError_t max_smem(int* out) {
   return cudaDeviceGetAttribute(out, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
 }
 
-template <class T, int W, Act HID>
-cudaError_t launch_fwd_w(const Params& p, cudaStream_t stream) {
-  constexpr int RT = row_tiles(W), WARPS = fwd_warps(W);
-  const void* kernel = reinterpret_cast<const void*>(&narrow_mlp_fwd<T, W, RT, HID, WARPS>);
+// A persistent grid of `kernel` (its one argument p): as many blocks as run at once, or fewer
+// where `tiles` (per_block of them a block at once) need fewer.
+inline cudaError_t launch_persistent(const void* kernel, const Params& p, int threads, int64_t tiles, int per_block,
+                                     cudaStream_t stream) {
   int resident = 0;
-  cudaError_t e = resident_blocks(kernel, p.weights_bytes, &resident, WARPS * 32);
+  cudaError_t e = resident_blocks(kernel, p.weights_bytes, &resident, threads);
   if (e != cudaSuccess) return e;
-  const int64_t tiles = (p.m + 16 * RT - 1) / (16 * RT);
-  const int64_t want = (tiles + WARPS - 1) / WARPS;
+  const int64_t want = (tiles + per_block - 1) / per_block;
   const int blocks = int(want < resident ? want : resident);
   if (blocks == 0) return cudaSuccess;
-  narrow_mlp_fwd<T, W, RT, HID, WARPS><<<blocks, WARPS * 32, p.weights_bytes, stream>>>(p);
-  return cudaGetLastError();
+  void* args[] = {const_cast<Params*>(&p)};
+  return cudaLaunchKernel(kernel, dim3(blocks), dim3(threads), args, p.weights_bytes, stream);
+}
+
+// f(std::integral_constant<int, W>{}, std::integral_constant<Act, A>{}) for a stack's hidden
+// width and activation: the forward kernels' instances. False for another width.
+template <class F>
+bool with_width_act(int width, Act act, F&& f) {
+  bool ok = false;
+  with_act(act, [&](auto a) {
+    switch (width) {
+      case 16: f(std::integral_constant<int, 16>{}, a); ok = true; break;
+      case 32: f(std::integral_constant<int, 32>{}, a); ok = true; break;
+      case 64: f(std::integral_constant<int, 64>{}, a); ok = true; break;
+      case 128: f(std::integral_constant<int, 128>{}, a); ok = true; break;
+    }
+  });
+  return ok;
 }
 
 // The forward on `stream`; p planned (plan_weights), every hidden layer `width` wide.
 template <class T>
 cudaError_t launch_fwd(const Params& p, int width, cudaStream_t stream) {
   cudaError_t e = cudaErrorInvalidValue;
-  with_act(p.act_hidden, [&](auto hid) {
-    constexpr Act A = decltype(hid)::value;
-    switch (width) {
-      case 16: e = launch_fwd_w<T, 16, A>(p, stream); break;
-      case 32: e = launch_fwd_w<T, 32, A>(p, stream); break;
-      case 64: e = launch_fwd_w<T, 64, A>(p, stream); break;
-      case 128: e = launch_fwd_w<T, 128, A>(p, stream); break;
-    }
+  with_width_act(width, p.act_hidden, [&](auto w, auto a) {
+    constexpr int W = decltype(w)::value, RT = row_tiles(W), WARPS = fwd_warps(W);
+    const void* kernel = reinterpret_cast<const void*>(&narrow_mlp_fwd<T, W, RT, decltype(a)::value, WARPS>);
+    e = launch_persistent(kernel, p, WARPS * 32, (p.m + 16 * RT - 1) / (16 * RT), WARPS, stream);
   });
   return e;
 }

@@ -137,35 +137,16 @@ inline bool gmma_runs_here(const void* kernel) {
 #endif
 }
 
-template <class T, int W, Act HID>
-cudaError_t launch_fwd_gmma_w(const Params& p, cudaStream_t stream) {
-  constexpr int WGS = gmma_groups(W);
-  const void* kernel = reinterpret_cast<const void*>(&narrow_mlp_fwd_gmma<T, W, HID, WGS>);
-  if (!gmma_runs_here(kernel)) return cudaErrorNoKernelImageForDevice;
-  int resident = 0;
-  cudaError_t e = resident_blocks(kernel, p.weights_bytes, &resident, WGS * 128);
-  if (e != cudaSuccess) return e;
-  const int64_t tiles = (p.m + 63) / 64;
-  const int64_t want = (tiles + WGS - 1) / WGS;
-  const int blocks = int(want < resident ? want : resident);
-  if (blocks == 0) return cudaSuccess;
-  narrow_mlp_fwd_gmma<T, W, HID, WGS><<<blocks, WGS * 128, p.weights_bytes, stream>>>(p);
-  return cudaGetLastError();
-}
-
 // The forward on wgmma; p planned with Layout::kCoreMatrices. cudaErrorNoKernelImageForDevice
 // where this build or device has no wgmma kernel (the caller takes launch_fwd).
 template <class T>
 cudaError_t launch_fwd_gmma(const Params& p, int width, cudaStream_t stream) {
   cudaError_t e = cudaErrorInvalidValue;
-  with_act(p.act_hidden, [&](auto hid) {
-    constexpr Act A = decltype(hid)::value;
-    switch (width) {
-      case 16: e = launch_fwd_gmma_w<T, 16, A>(p, stream); break;
-      case 32: e = launch_fwd_gmma_w<T, 32, A>(p, stream); break;
-      case 64: e = launch_fwd_gmma_w<T, 64, A>(p, stream); break;
-      case 128: e = launch_fwd_gmma_w<T, 128, A>(p, stream); break;
-    }
+  with_width_act(width, p.act_hidden, [&](auto w, auto a) {
+    constexpr int W = decltype(w)::value, WGS = gmma_groups(W);
+    const void* kernel = reinterpret_cast<const void*>(&narrow_mlp_fwd_gmma<T, W, decltype(a)::value, WGS>);
+    e = gmma_runs_here(kernel) ? launch_persistent(kernel, p, WGS * 128, (p.m + 63) / 64, WGS, stream)
+                               : cudaErrorNoKernelImageForDevice;
   });
   return e;
 }
