@@ -2,11 +2,12 @@
 // reference (f32 accumulation, each layer's output rounded to bf16 as the kernel stores it)
 // and timed with CUDA events. A developer's probe of the kernel before the library sees it.
 //
-//   nvcc -O3 -std=c++17 -arch=sm_90a --expt-relaxed-constexpr -Iffi tools/narrow_bench.cu -o narrow_bench
-//   (with -DREGEMM_SM90A for the wgmma kernels)
+//   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr -DREGEMM_SM90A -Iffi \
+//     tools/narrow_bench.cu -o narrow_bench            (REGEMM_SM90A: the wgmma kernels have a body)
 //   [NARROW_GMMA=1] [NARROW_BWD=1] [NARROW_NO_WGRAD=1] [NARROW_LOAD_ONLY=1] [NARROW_TRANSPOSED=1] ./narrow_bench [rows x in x width x hidden x out [act]] ...
 //   (e.g. 1048576x32x64x4x16 relu; NARROW_LOAD_ONLY: also time the forward's weight load alone;
-//   NARROW_GMMA: the forward on wgmma, narrow_mlp_gmma.cuh, checked and timed after mma.sync's)
+//   NARROW_GMMA: the forward on wgmma, narrow_mlp_gmma.cuh, checked and timed after mma.sync's, and
+//   the backward on wgmma where that kernel takes the stack (else mma.sync's))
 #include <cuda_runtime.h>
 
 #include <cmath>
