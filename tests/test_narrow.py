@@ -243,6 +243,9 @@ def test_one_kernel_per_direction(narrow, rand):
     hlo = jax.jit(jax.grad(loss_of(f), argnums=(0, 1, 2))).lower(x, ws, bs).as_text()
     assert "regemm_gemm_v1" not in hlo and "regemm_dgrad_dact_v1" not in hlo
     assert "narrow_mlp" in rg.kernels()["cuda"]
+    # (the default build is for sm_90a: on Hopper the wgmma forms run)
+    hopper = getattr(jax.devices()[0], "compute_capability", "") == "9.0"
+    assert ("narrow_mlp_sm90a_wgmma" in rg.kernels()["cuda"]["narrow_mlp"]) == hopper
 
 
 @gpu_only

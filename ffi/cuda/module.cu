@@ -126,7 +126,8 @@ NB_MODULE(_regemm_cuda, m) {
   m.def("kernels", [] {
     nb::dict d = regemm::kernels_by_op<CudaRuntime>();
     nb::list narrow;
-    narrow.append("narrow_mlp_sm80");  // the fused narrow MLP (ffi/cuda/narrow)
+    narrow.append("narrow_mlp_sm80");  // the fused narrow MLP (ffi/cuda/narrow): mma.sync
+    if (regemm::narrow::wgmma_here()) narrow.append("narrow_mlp_sm90a_wgmma");  // and its wgmma forms
     d["narrow_mlp"] = narrow;
     return d;
   });

@@ -18,6 +18,8 @@ void* backward_handler();
 int64_t smem_bytes(int k0, int width, int layers, int n_out, bool backward);
 // The most shared memory a block may take on the current device.
 int64_t smem_limit();
+// Whether the wgmma kernels (narrow_mlp_gmma.cuh) run on the current device in this build.
+bool wgmma_here();
 // The backward's workspace on the current device (its partial sums); -1 where it does not run.
 int64_t bwd_workspace_bytes(bool f16, int k0, int width, int layers, int n_out, std::string_view act);
 

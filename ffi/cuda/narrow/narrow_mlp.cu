@@ -230,6 +230,12 @@ int64_t smem_limit() {
   return max_smem(&limit) == cudaSuccess ? limit : 0;
 }
 
+bool wgmma_here() {  // (a forward of no rows: it launches nothing, and says whether its kernel runs here)
+  Params p = plan_of(16, 64, 2, 16, Act::kRelu);
+  plan_weights(&p, 2, Layout::kCoreMatrices);
+  return launch_fwd_gmma<__nv_bfloat16>(p, 64, nullptr) == cudaSuccess;
+}
+
 int64_t bwd_workspace_bytes(bool f16, int k0, int width, int layers, int n_out, std::string_view act) {
   Act a;
   if (!parse_act(act, &a) || smem_bytes(k0, width, layers, n_out, true) < 0) return -1;
