@@ -27,7 +27,7 @@
 # and in plain mode the tuner runs every way it times.
 #
 # Full logs go to $OUT (default ./gpu_check_out): env.log, build.log,
-# pytest.log, sanitizer_{memcheck,racecheck,initcheck}.log, tma_repro.log,
+# pytest.log, wgmma_probe.log, sanitizer_{memcheck,racecheck,initcheck}.log, tma_repro.log,
 # summary.txt. initcheck counts are split into reports on this backend's
 # kernels and on others' (both must be 0) and on XLA's own device-to-device
 # copies (host API calls, not ours).
@@ -93,6 +93,7 @@ trap 'rm -rf "$BIN"' EXIT
 $NVCC -o "$BIN/tma_repro" tools/tma_sanitizer_repro.cu >>"$OUT/build.log" 2>&1 || build_rc=98
 $NVCC -Iffi -o "$BIN/sanitize_pass" tools/sanitize_pass.cu ffi/cuda/epilogue/epilogue_pass.cu >>"$OUT/build.log" 2>&1 \
   || build_rc=97
+$NVCC -Iffi -o "$BIN/wgmma_probe" tools/wgmma_probe.cu >>"$OUT/build.log" 2>&1 || build_rc=95
 build_s=$((SECONDS - t0))
 
 # --- 2. the test suite -------------------------------------------------------------
@@ -108,10 +109,14 @@ if [ $build_rc -eq 0 ] && [ "$PARTS" != sanitizers ]; then
   par=""
   procs=$(nproc); [ "$procs" -gt 16 ] && procs=16
   "$PY" -c "import xdist" 2>/dev/null && par="-n $procs"
+  # The wgmma forms of the narrow MLP's kernels, each against the host (a failure is a test's).
+  "$BIN/wgmma_probe" >"$OUT/wgmma_probe.log" 2>&1
+  probe_rc=$?
   # -v: each outcome is printed as it happens, so a run cut by its timeout still names its failures.
   REGEMM_TEST_SHARD="$SHARD" XLA_PYTHON_CLIENT_PREALLOCATE=false timeout $left "$PY" -P -m pytest -v \
     -p no:cacheprovider -rfE --durations=15 $par -k "not $BIG" tests >"$OUT/pytest.log" 2>&1
   test_rc=$?
+  [ $probe_rc -eq 0 ] || test_rc=1
   echo "##### $BIG alone" >>"$OUT/pytest.log"
   if [ -z "$SHARD" ] || [ "${SHARD%/*}" = "${SHARD#*/}" ]; then
     XLA_PYTHON_CLIENT_MEM_FRACTION=0.6 timeout 40 "$PY" -P -m pytest -q -p no:cacheprovider -rfE \
@@ -313,6 +318,7 @@ fi
     echo "tests: not run (GPU_CHECK_PARTS=sanitizers, and no tests part of this tree before it)"
   else
     echo "tests${SHARD:+ (shard $SHARD)}: ${tests_line:-no result} (rc=$test_rc)"
+    echo "wgmma forms (tools/wgmma_probe.cu): $(tail -1 "$OUT/wgmma_probe.log" 2>/dev/null || echo 'not run')"
     echo "tests, >2^31 elements alone: ${big_line:-no result} (rc=$big_rc); tests took ${test_s}s"
   fi
   if [ $san_on -eq 1 ]; then
