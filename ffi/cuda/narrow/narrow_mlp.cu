@@ -144,35 +144,36 @@ ffi::Error backward(cudaStream_t stream, ffi::AnyBuffer x, ffi::RemainingArgs ar
   REGEMM_CUDA_CHECK(max_smem(&limit));
   auto ws = ret(2 * layers + 1);
   bp.partial = static_cast<float*>(ws->untyped_data());
-  auto run = [&](const Params& q, BwdParams& b) {
-    return by_dtype(s.dtype, [&](auto t) {
-      cudaError_t e = bwd_blocks<decltype(t)>(q, s.width, b, &b.blocks);
-      if (e != cudaSuccess) return e;
-      if (int64_t(b.blocks) * (b.dw_floats + b.db_floats) * 4 > int64_t(ws->size_bytes())) return cudaErrorInvalidValue;
-      return launch_bwd<decltype(t)>(q, s.width, b, stream);
-    });
+  // The plan: on wgmma where its kernel takes the stack and this build and the device have it
+  // (H200, kernel alone: 2^20 x 64 x 4 hidden 878 -> 521 us, 32 x 3 293 -> 228, 16 x 4 263 ->
+  // 201), else on mma.sync.
+  auto blocks = [&](const Params& q, BwdParams& b) {
+    return by_dtype(s.dtype, [&](auto t) { return bwd_blocks<decltype(t)>(q, s.width, b, &b.blocks); });
   };
-  // On wgmma where its kernel takes the stack, this build and the device have it (H200, kernel
-  // alone: 2^20 x 64 x 4 hidden 878 -> 521 us, 32 x 3 293 -> 228, 16 x 4 263 -> 201).
+  Params q = p;
+  BwdParams b = bp;
+  bool planned = false;
   if (!env_off("REGEMM_NARROW_WGMMA")) {
-    Params g = p;
-    BwdParams gb = bp;
-    plan_weights(&g, 2, Layout::kCoreMatrices);
-    const int smem = plan_bwd_gmma(g, s.width, &gb);
+    plan_weights(&q, 2, Layout::kCoreMatrices);
+    const int smem = plan_bwd_gmma(q, s.width, &b);
     if (smem >= 0 && smem <= limit) {
-      const cudaError_t e = run(g, gb);
+      const cudaError_t e = blocks(q, b);
       if (e != cudaErrorNoKernelImageForDevice) {
-        if (e == cudaErrorInvalidValue) return bad("narrow MLP backward: the workspace is smaller than the lowering said");
         REGEMM_CUDA_CHECK(e);
-        return ffi::Error::Success();
+        planned = true;
       }
     }
   }
-  const int smem = plan_bwd(p, s.width, 2, &bp);
-  if (smem < 0 || smem > limit) return bad("narrow MLP backward: the kernel does not take this stack (width, depth or shared memory)");
-  const cudaError_t e = run(p, bp);
-  if (e == cudaErrorInvalidValue) return bad("narrow MLP backward: the workspace is smaller than the lowering said");
-  REGEMM_CUDA_CHECK(e);
+  if (!planned) {
+    q = p;
+    b = bp;
+    const int smem = plan_bwd(q, s.width, 2, &b);
+    if (smem < 0 || smem > limit) return bad("narrow MLP backward: the kernel does not take this stack (width, depth or shared memory)");
+    REGEMM_CUDA_CHECK(blocks(q, b));
+  }
+  if (int64_t(b.blocks) * (b.dw_floats + b.db_floats) * 4 > int64_t(ws->size_bytes()))
+    return bad("narrow MLP backward: the workspace is smaller than the lowering said");
+  REGEMM_CUDA_CHECK(by_dtype(s.dtype, [&](auto t) { return launch_bwd<decltype(t)>(q, s.width, b, stream); }));
   return ffi::Error::Success();
 }
 

@@ -90,7 +90,7 @@ __device__ __forceinline__ void hidden_grad_gmma(uint32_t (&ga)[W / 16][4], cons
 template <class T, Act A, int W>
 __device__ __forceinline__ void top_grad_gmma(const Params& p, const BwdParams& bp, const char* smem,
                                               const uint32_t (&a)[1][W / 16][4], int64_t row0, int r0, int q,
-                                              uint32_t (&gt)[4], char* gout, float* db, int lane) {
+                                              uint32_t (&gt)[1][4], char* gout, float* db, int lane) {
   const Layer& L = p.layer[p.layers - 1];
   const float* bias = reinterpret_cast<const float*>(smem + L.b_off);
   float o[2][4] = {};
@@ -108,8 +108,8 @@ __device__ __forceinline__ void top_grad_gmma(const Params& p, const BwdParams& 
       for (int i = 0; i < 4; ++i) v[i] *= act_grad<float, FastMath>(A, o[h][i] + bias[c + (i & 1)], p.slope);
     }
     const uint32_t lo = Elem<T>::pack(v[0], v[1]), hi = Elem<T>::pack(v[2], v[3]);
-    gt[h * 2 + 0] = lo;
-    gt[h * 2 + 1] = hi;
+    gt[0][h * 2 + 0] = lo;
+    gt[0][h * 2 + 1] = hi;
     mn_pair<T>(gout, r0, c) = lo;
     mn_pair<T>(gout, r0 + 8, c) = hi;
     sums[2 * h] = v[0] + v[2];
@@ -186,7 +186,7 @@ __global__ void __launch_bounds__(128, gmma_bwd_min_blocks(W)) narrow_mlp_bwd_gm
       keep_z<T, HID, NT>(a, acc[0], reinterpret_cast<const float*>(smem + p.layer[l].b_off), p.slope, H(l + 1), r0, q);
     }
     // The output layer's gZ.
-    uint32_t gt[4];
+    uint32_t gt[1][4];
     switch (p.act_out) {
 #define REGEMM_NARROW_OUT(A) \
   case A: top_grad_gmma<T, A, W>(p, bp, smem, a, row0, r0, q, gt, G(D), db + bp.db_off[D], lane); break;
@@ -199,12 +199,7 @@ __global__ void __launch_bounds__(128, gmma_bwd_min_blocks(W)) narrow_mlp_bwd_gm
     __syncthreads();  // every H_l and G_D in place
     // Down the stack. Layer D: gH_{D-1} = gZ_D W_D^T (one k step: N_out <= 16).
     uint32_t ga[KT][4];
-    gmma::pin(acc[0]);
-    gmma::fence();
-    gmma::Rs<T, W, 1>::run(acc[0], gt, gmma::descriptor(Wt(D), 16 * W, 128), 0);
-    gmma::commit();
-    gmma::wait<0>();
-    gmma::pin(acc[0]);
+    layer_mma<T, W, 1, 1>(acc[0], gt, Wt(D), W);
     hidden_grad_gmma<T, HID, W>(ga, acc[0], H(D), G(D - 1), db + bp.db_off[D - 1], p.slope, r0, q, lane);
     gmma::fence_shared();
     __syncthreads();  // H_D (now h) and G_{D-1} in place
@@ -215,7 +210,7 @@ __global__ void __launch_bounds__(128, gmma_bwd_min_blocks(W)) narrow_mlp_bwd_gm
       gmma::fence();
 #pragma unroll
       for (int kt = 0; kt < KT; ++kt)
-        gmma::Rs<T, W, 1>::run(acc[0], ga[kt], gmma::descriptor(Wt(l) + kt * 32 * W, 16 * W, 128), kt > 0);
+        gmma::Rs<T, W, 1>::run(acc[0], ga[kt], wt_descriptor<1>(Wt(l), W, kt), kt > 0);
       gmma::commit();
       if (want_dw) {
         if (l + 1 == D) weight_grad_gmma<T, 16>(dwt, H(l + 1), G(l + 1));
@@ -242,14 +237,7 @@ __global__ void __launch_bounds__(128, gmma_bwd_min_blocks(W)) narrow_mlp_bwd_gm
       T* gx = static_cast<T*>(bp.gx);
       for (int cc = 0; cc < kp0 / 16; ++cc) {
         float o[2][4] = {};
-        gmma::pin(o);
-        gmma::fence();
-#pragma unroll
-        for (int kt = 0; kt < KT; ++kt)
-          gmma::Rs<T, 16, 1>::run(o, ga[kt], gmma::descriptor(Wt(0) + cc * 256 + kt * 32 * kp0, 16 * kp0, 128), kt > 0);
-        gmma::commit();
-        gmma::wait<0>();
-        gmma::pin(o);
+        layer_mma<T, 16, KT, 1>(o, ga, Wt(0) + cc * 256, kp0);  // (16 of Wt's columns: 2 core matrices on)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int c = cc * 16 + h * 8 + 2 * q;

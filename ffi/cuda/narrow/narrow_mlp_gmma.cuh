@@ -20,16 +20,24 @@ namespace regemm::narrow {
 constexpr int gmma_groups(int width) { return width >= 128 ? 3 : 2; }
 constexpr int gmma_min_blocks(int width) { return width >= 128 ? 1 : width >= 64 ? 2 : width >= 32 ? 3 : 4; }
 
-// acc (=, or += where accumulate) A B: A in registers (KT k steps of 16), B a layer's Wt from
-// wt (K-major, rows of kp elements); one chain of MMAs, waited for (its epilogue follows).
-template <class T, int N, int KT>
+// The descriptor of k step kt (16 of K) of B = a layer's Wt at wt (K-major core matrices, rows of
+// kp elements): the forward's B (Wt^T: K along Wt's rows) or, TRANS, the dgrad's (Wt read
+// MN-major: K along its columns' index n, 16 rows of Wt a step).
+template <int TRANS>
+__device__ __forceinline__ uint64_t wt_descriptor(const char* wt, int kp, int kt) {
+  return TRANS ? gmma::descriptor(wt + kt * 32 * kp, 16 * kp, 128) : gmma::descriptor(wt + kt * 256, 128, 16 * kp);
+}
+
+// acc (=, or += where accumulate) A B: A in registers (KT k steps of 16), B from Wt (above); one
+// chain of MMAs, waited for (its epilogue follows).
+template <class T, int N, int KT, int TRANS = 0>
 __device__ __forceinline__ void layer_mma(float (&acc)[N / 8][4], const uint32_t (&a)[KT][4], const char* wt, int kp,
                                           bool accumulate = false) {
   gmma::pin(acc);
   gmma::fence();
 #pragma unroll
   for (int kt = 0; kt < KT; ++kt)
-    gmma::Rs<T, N, 0>::run(acc, a[kt], gmma::descriptor(wt + kt * 256, 128, 16 * kp), accumulate || kt > 0);
+    gmma::Rs<T, N, TRANS>::run(acc, a[kt], wt_descriptor<TRANS>(wt, kp, kt), accumulate || kt > 0);
   gmma::commit();
   gmma::wait<0>();
   gmma::pin(acc);
