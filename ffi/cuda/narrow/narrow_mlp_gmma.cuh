@@ -7,7 +7,8 @@
 // spent on the tensor cores go to the epilogues (it ran at 31% of the tensor-core peak at 64
 // wide with 51% of issue slots busy, docs/performance.md).
 //
-// Built only for sm90a (the body is empty elsewhere): gmma_built() says whether this build has it.
+// Built only for sm90a (the body is empty elsewhere): gmma_runs_here() says whether this build
+// and device run it.
 #pragma once
 
 #include "cuda/narrow/narrow_mlp.cuh"
