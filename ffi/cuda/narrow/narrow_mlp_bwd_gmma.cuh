@@ -86,10 +86,13 @@ __device__ __forceinline__ void keep_z(uint32_t (&a)[1][NT / 2][4], const float 
     const int c = j * 8 + 2 * q;
     const float z0 = acc[j][0] + bias[c], z1 = acc[j][1] + bias[c + 1];
     const float z2 = acc[j][2] + bias[c], z3 = acc[j][3] + bias[c + 1];
-    a[0][j / 2][(j & 1) * 2 + 0] = Elem<T>::pack(act<A>(z0, slope), act<A>(z1, slope));
-    a[0][j / 2][(j & 1) * 2 + 1] = Elem<T>::pack(act<A>(z2, slope), act<A>(z3, slope));
-    mn_pair<T>(hz, r0, c) = Elem<T>::pack(z0, z1);
-    mn_pair<T>(hz, r0 + 8, c) = Elem<T>::pack(z2, z3);
+    const uint32_t h01 = Elem<T>::pack(act<A>(z0, slope), act<A>(z1, slope));
+    const uint32_t h23 = Elem<T>::pack(act<A>(z2, slope), act<A>(z3, slope));
+    a[0][j / 2][(j & 1) * 2 + 0] = h01;
+    a[0][j / 2][(j & 1) * 2 + 1] = h23;
+    // relu keeps h itself: relu'(z) = relu'(h) (h > 0 exactly where the rounded z is).
+    mn_pair<T>(hz, r0, c) = A == Act::kRelu ? h01 : Elem<T>::pack(z0, z1);
+    mn_pair<T>(hz, r0 + 8, c) = A == Act::kRelu ? h23 : Elem<T>::pack(z2, z3);
   }
 }
 
@@ -106,8 +109,10 @@ __device__ __forceinline__ void hidden_grad_gmma(uint32_t (&ga)[W / 16][4], cons
     uint32_t& p0 = mn_pair<T>(h, r0, c);
     uint32_t& p1 = mn_pair<T>(h, r0 + 8, c);
     const float2 z0 = Elem<T>::unpack(p0), z1 = Elem<T>::unpack(p1);
-    p0 = Elem<T>::pack(act<A>(z0.x, slope), act<A>(z0.y, slope));
-    p1 = Elem<T>::pack(act<A>(z1.x, slope), act<A>(z1.y, slope));
+    if constexpr (A != Act::kRelu) {  // (relu's tile holds h already: keep_z)
+      p0 = Elem<T>::pack(act<A>(z0.x, slope), act<A>(z0.y, slope));
+      p1 = Elem<T>::pack(act<A>(z1.x, slope), act<A>(z1.y, slope));
+    }
     const float g0 = acc[j][0] * act_grad<float, FastMath>(A, z0.x, slope);
     const float g1 = acc[j][1] * act_grad<float, FastMath>(A, z0.y, slope);
     const float g2 = acc[j][2] * act_grad<float, FastMath>(A, z1.x, slope);
