@@ -92,49 +92,19 @@ __global__ void __launch_bounds__(WGS * 128, gmma_min_blocks(W)) narrow_mlp_fwd_
   float acc[1][NT][4];
   zero(acc);
   uint32_t a[1][KT][4];
-  // x of the warpgroup's next tile, loaded while it works on this one (K0 <= 64: two 32-column
-  // steps in 16 registers): with a few warpgroups an SM nothing else hides a global load's
-  // latency, paid at every tile's start where x was loaded in place.
-  const Layer& L0 = p.layer[0];
-  const bool ahead = L0.kp <= 64;
-  const int64_t step = int64_t(gridDim.x) * WGS;
-  uint32_t xn[2][2][4];
-  auto fetch = [&](int64_t t) {
-#pragma unroll
-    for (int kc = 0; kc < 2; ++kc)
-      if (kc * 32 < L0.kp) {
-        x_operand<T>(xn[kc][0], p, t * 64 + warp * 16 + g, kc * 32 + 2 * q);
-        x_operand<T>(xn[kc][1], p, t * 64 + warp * 16 + g, kc * 32 + 16 + 2 * q);
-      }
-  };
-  const int64_t first = int64_t(blockIdx.x) * WGS + wg;
-  if (ahead && first < tiles) fetch(first);
-  for (int64_t t = first; t < tiles; t += step) {
+  for (int64_t t = int64_t(blockIdx.x) * WGS + wg; t < tiles; t += int64_t(gridDim.x) * WGS) {
     const int64_t row0 = t * 64 + warp * 16;  // this warp's 16 rows of the tile
     // Layer 0: K0 (padded to 32) -> W, its A operand read from x two k steps at a time.
     {
-      const char* wt = smem + L0.w_off;
-      if (ahead) {
-        uint32_t ax[2][2][4];
-#pragma unroll
-        for (int kc = 0; kc < 2; ++kc)
-#pragma unroll
-          for (int s = 0; s < 2; ++s)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) ax[kc][s][i] = xn[kc][s][i];
-        if (t + step < tiles) fetch(t + step);  // (row zero outside x: load_pair)
-#pragma unroll
-        for (int kc = 0; kc < 2; ++kc)
-          if (kc * 32 < L0.kp) layer_mma<T, W, 2>(acc[0], ax[kc], wt + kc * 512, L0.kp, kc > 0);
-      } else {
-        for (int kc = 0; kc < L0.kp / 32; ++kc) {
-          uint32_t ax[2][4];
-          x_operand<T>(ax[0], p, row0 + g, kc * 32 + 2 * q);
-          x_operand<T>(ax[1], p, row0 + g, kc * 32 + 16 + 2 * q);
-          layer_mma<T, W, 2>(acc[0], ax, wt + kc * 512, L0.kp, kc > 0);
-        }
+      const Layer& L = p.layer[0];
+      const char* wt = smem + L.w_off;
+      for (int kc = 0; kc < L.kp / 32; ++kc) {
+        uint32_t ax[2][4];
+        x_operand<T>(ax[0], p, row0 + g, kc * 32 + 2 * q);
+        x_operand<T>(ax[1], p, row0 + g, kc * 32 + 16 + 2 * q);
+        layer_mma<T, W, 2>(acc[0], ax, wt + kc * 512, L.kp, kc > 0);
       }
-      epilogue_to_a<T, HID, 1, NT>(a, acc, reinterpret_cast<const float*>(smem + L0.b_off), p.slope, lane);
+      epilogue_to_a<T, HID, 1, NT>(a, acc, reinterpret_cast<const float*>(smem + L.b_off), p.slope, lane);
     }
     // The hidden layers W -> W.
     for (int l = 1; l < p.layers - 1; ++l) {
