@@ -7,9 +7,9 @@
 # A serialized kernel still computes the right numbers, so no test sees it; this does.
 #
 #   tools/wgmma_serialization.sh [translation unit ...]   (default: the narrow kernels' four)
-# Prints each note (kernel and reason) and exits 1 if there is one. About 3 minutes a unit on
-# one core; the units run in
-# parallel. (C7519, a warpgroup.arrive the compiler adds before a wgmma, is no such note.)
+# Prints each note (kernel and reason) and exits 1 if there is one. The units run in parallel:
+# 2 minutes for the four on 2 cores. (C7519, a warpgroup.arrive the compiler adds before a
+# wgmma, is no such note.)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 NVCC="${NVCC:-nvcc}"
