@@ -8,7 +8,7 @@
 
 #define REGEMM_NARROW_FWD(EXTERN, T)                                                       \
   EXTERN template cudaError_t regemm::narrow::launch_fwd<T>(const Params&, int, cudaStream_t); \
-  EXTERN template cudaError_t regemm::narrow::launch_fwd_gmma<T>(const Params&, int, cudaStream_t);
+  EXTERN template cudaError_t regemm::narrow::launch_fwd_gmma<T>(const Params&, int, cudaStream_t, bool);
 #define REGEMM_NARROW_BWD(EXTERN, T)                                                                            \
   EXTERN template cudaError_t regemm::narrow::launch_bwd<T>(const Params&, int, const BwdParams&, cudaStream_t); \
   EXTERN template cudaError_t regemm::narrow::bwd_blocks<T>(const Params&, int, const BwdParams&, int*);         \
