@@ -15,7 +15,7 @@
 //              one: with two warpgroups an SM, nothing else hides a global load's latency, paid
 //              twice a chunk (x at its start, gy at the top) where the loads were in place.
 // Then, as the mma.sync kernel, the block's partial sums (row-major here) and the ordered
-// reduction. Stacks of 1-4 hidden layers 16-64 wide, relu or gelu, K0 <= 64, N_out <= 16 (the
+// reduction. Stacks of 1-4 hidden layers 16-64 wide, any activation, K0 <= 64, N_out <= 16 (the
 // dW sums are registers, so the depth is a template parameter); the mma.sync kernel elsewhere.
 #pragma once
 
@@ -31,8 +31,7 @@ constexpr int gmma_bwd_min_blocks(int width) { return width >= 64 ? 2 : 3; }
 inline bool gmma_bwd_takes(const Params& p, int width) {
   const int hidden = p.layers - 1;
   return (width == 16 || width == 32 || width == 64) && hidden >= 1 && hidden <= kGmmaBwdDepth &&
-         p.layer[0].k <= 64 && p.layer[p.layers - 1].n <= 16 &&
-         (p.act_hidden == Act::kRelu || p.act_hidden == Act::kGelu);
+         p.layer[0].k <= 64 && p.layer[p.layers - 1].n <= 16;
 }
 
 // The packed pair (r, c), (r, c + 1) of a [64 rows][..] MN-major tile.
@@ -389,15 +388,25 @@ inline int plan_bwd_gmma(const Params& p, int width, BwdParams* bp) {
 }
 
 template <class T, int W, Act HID>
-const void* bwd_kernel(int depth, bool gmma) {
+const void* bwd_kernel_of_width(int depth, bool gmma) {
   if (!gmma) return reinterpret_cast<const void*>(&narrow_mlp_bwd<T, W, HID>);
-  if constexpr (HID == Act::kRelu || HID == Act::kGelu) {
-    switch (depth) {
-      case 1: return reinterpret_cast<const void*>(&narrow_mlp_bwd_gmma<T, W, HID, 1>);
-      case 2: return reinterpret_cast<const void*>(&narrow_mlp_bwd_gmma<T, W, HID, 2>);
-      case 3: return reinterpret_cast<const void*>(&narrow_mlp_bwd_gmma<T, W, HID, 3>);
-      case 4: return reinterpret_cast<const void*>(&narrow_mlp_bwd_gmma<T, W, HID, 4>);
-    }
+  switch (depth) {
+    case 1: return reinterpret_cast<const void*>(&narrow_mlp_bwd_gmma<T, W, HID, 1>);
+    case 2: return reinterpret_cast<const void*>(&narrow_mlp_bwd_gmma<T, W, HID, 2>);
+    case 3: return reinterpret_cast<const void*>(&narrow_mlp_bwd_gmma<T, W, HID, 3>);
+    case 4: return reinterpret_cast<const void*>(&narrow_mlp_bwd_gmma<T, W, HID, 4>);
+  }
+  return nullptr;
+}
+
+// The backward's kernel for dtype T, hidden activation A, a hidden width and depth (null where
+// there is none): wgmma's (gmma) or mma.sync's. Instantiated as kernel_fwd is (narrow_launch.h).
+template <class T, Act A>
+const void* kernel_bwd(int width, int depth, bool gmma) {
+  switch (width) {
+    case 16: return bwd_kernel_of_width<T, 16, A>(depth, gmma);
+    case 32: return bwd_kernel_of_width<T, 32, A>(depth, gmma);
+    case 64: return bwd_kernel_of_width<T, 64, A>(depth, gmma);
   }
   return nullptr;
 }
@@ -407,14 +416,7 @@ const void* bwd_kernel(int depth, bool gmma) {
 template <class T>
 cudaError_t bwd_kernel(const Params& p, int width, const BwdParams& bp, const void** kernel) {
   const void* k = nullptr;
-  with_act(p.act_hidden, [&](auto a) {
-    constexpr Act A = decltype(a)::value;
-    switch (width) {
-      case 16: k = bwd_kernel<T, 16, A>(p.layers - 1, bp.gmma); break;
-      case 32: k = bwd_kernel<T, 32, A>(p.layers - 1, bp.gmma); break;
-      case 64: k = bwd_kernel<T, 64, A>(p.layers - 1, bp.gmma); break;
-    }
-  });
+  with_act(p.act_hidden, [&](auto a) { k = kernel_bwd<T, decltype(a)::value>(width, p.layers - 1, bp.gmma); });
   if (k == nullptr) return cudaErrorInvalidValue;
   if (bp.gmma && !gmma_runs_here(k)) return cudaErrorNoKernelImageForDevice;
   *kernel = k;

@@ -285,22 +285,32 @@ inline bool gmma_runs_here(const void* kernel) {
 #endif
 }
 
+// The wgmma forward's kernel for dtype T, hidden activation A and a hidden width (null for
+// another width); pair: narrow_mlp_fwd_gmma2 where the width allows it.
+template <class T, Act A>
+const void* kernel_fwd_gmma(int width, bool pair) {
+  const void* k = nullptr;
+  with_width(width, [&](auto w) {
+    constexpr int W = decltype(w)::value, WGS = gmma_groups(W);
+    k = reinterpret_cast<const void*>(&narrow_mlp_fwd_gmma<T, W, A, WGS>);
+    if constexpr (W <= 64)
+      if (pair) k = reinterpret_cast<const void*>(&narrow_mlp_fwd_gmma2<T, W, A, WGS>);
+  });
+  return k;
+}
+
 // The forward on wgmma (pair: two tiles a warpgroup, narrow_mlp_fwd_gmma2, where N_out is 16); p
 // planned with Layout::kCoreMatrices. cudaErrorNoKernelImageForDevice
 // where this build or device has no wgmma kernel (the caller takes launch_fwd).
 template <class T>
 cudaError_t launch_fwd_gmma(const Params& p, int width, cudaStream_t stream, bool pair = false) {
-  cudaError_t e = cudaErrorInvalidValue;
   pair = pair && width <= 64 && p.layer[0].kp == 32 && p.layer[p.layers - 1].np == 16;  // (narrow_mlp_fwd_gmma2's)
-  with_width_act(width, p.act_hidden, [&](auto w, auto a) {
-    constexpr int W = decltype(w)::value, WGS = gmma_groups(W);
-    const void* kernel = reinterpret_cast<const void*>(&narrow_mlp_fwd_gmma<T, W, decltype(a)::value, WGS>);
-    if constexpr (W <= 64)
-      if (pair) kernel = reinterpret_cast<const void*>(&narrow_mlp_fwd_gmma2<T, W, decltype(a)::value, WGS>);
-    e = gmma_runs_here(kernel) ? launch_persistent(kernel, p, WGS * 128, (p.m + 63) / 64, pair ? 2 * WGS : WGS, stream)
-                               : cudaErrorNoKernelImageForDevice;
-  });
-  return e;
+  const void* kernel = nullptr;
+  with_act(p.act_hidden, [&](auto a) { kernel = kernel_fwd_gmma<T, decltype(a)::value>(width, pair); });
+  if (kernel == nullptr) return cudaErrorInvalidValue;
+  if (!gmma_runs_here(kernel)) return cudaErrorNoKernelImageForDevice;
+  const int wgs = gmma_groups(width);
+  return launch_persistent(kernel, p, wgs * 128, (p.m + 63) / 64, pair ? 2 * wgs : wgs, stream);
 }
 
 }  // namespace regemm::narrow
