@@ -257,7 +257,7 @@ def test_switch_off_runs_per_layer(narrow, rand, monkeypatch):
 
 
 # Stacks (width, hidden layers, K0, N_out, act, dtype) the wgmma kernels take (the backward: 16-64
-# wide, 1-4 hidden layers, K0 <= 64, N_out <= 16; the forward: from 64 wide), and one each
+# wide, 1-4 hidden relu/gelu, K0 <= 64, N_out <= 16; the forward: from 64 wide), and one each
 # kernel leaves to mma.sync.
 WGMMA_STACKS = [(16, 1, 32, 16, "relu", jnp.bfloat16), (32, 3, 20, 8, "gelu", jnp.float16),
                 (64, 4, 32, 16, "relu", jnp.bfloat16), (64, 2, 64, 3, "gelu", jnp.bfloat16),

@@ -4,11 +4,10 @@
 //
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr -DREGEMM_SM90A -Iffi \
 //     tools/narrow_bench.cu -o narrow_bench            (REGEMM_SM90A: the wgmma kernels have a body)
-//   [NARROW_GMMA=1 [NARROW_PAIR=1]] [NARROW_BWD=1] [NARROW_NO_WGRAD=1] [NARROW_LOAD_ONLY=1] [NARROW_TRANSPOSED=1] ./narrow_bench [rows x in x width x hidden x out [act]] ...
+//   [NARROW_GMMA=1] [NARROW_BWD=1] [NARROW_NO_WGRAD=1] [NARROW_LOAD_ONLY=1] [NARROW_TRANSPOSED=1] ./narrow_bench [rows x in x width x hidden x out [act]] ...
 //   (e.g. 1048576x32x64x4x16 relu; NARROW_LOAD_ONLY: also time the forward's weight load alone;
 //   NARROW_GMMA: the forward on wgmma, narrow_mlp_gmma.cuh, checked and timed after mma.sync's, and
-//   the backward on wgmma where that kernel takes the stack (else mma.sync's); NARROW_PAIR: that forward
-//   two tiles a warpgroup, narrow_mlp_fwd_gmma2)
+//   the backward on wgmma where that kernel takes the stack (else mma.sync's))
 #include <cuda_runtime.h>
 
 #include <cmath>
@@ -104,7 +103,7 @@ static bool run(const Cell& c) {
   for (int pass = 0; pass < (gmma ? 2 : 1); ++pass) {  // mma.sync, then (NARROW_GMMA) wgmma
     const bool on_gmma = pass == 1;
     const int smem = narrow::plan_weights(&p, sizeof(T), on_gmma ? narrow::Layout::kCoreMatrices : narrow::Layout::kPaddedRows);
-    auto fwd = [&] { return on_gmma ? narrow::launch_fwd_gmma<T>(p, c.width, nullptr, std::getenv("NARROW_PAIR") != nullptr) : narrow::launch_fwd<T>(p, c.width, nullptr); };
+    auto fwd = [&] { return on_gmma ? narrow::launch_fwd_gmma<T>(p, c.width, nullptr) : narrow::launch_fwd<T>(p, c.width, nullptr); };
     CHECK(cudaMemset(p.y, 0xff, c.m * c.out * sizeof(T)));
     CHECK(fwd());
     CHECK(cudaDeviceSynchronize());

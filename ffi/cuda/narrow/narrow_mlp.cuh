@@ -413,39 +413,32 @@ inline cudaError_t launch_persistent(const void* kernel, const Params& p, int th
   return cudaLaunchKernel(kernel, dim3(blocks), dim3(threads), args, p.weights_bytes, stream);
 }
 
-// f(std::integral_constant<int, W>{}) for a stack's hidden width; false for another width.
+// f(std::integral_constant<int, W>{}, std::integral_constant<Act, A>{}) for a stack's hidden
+// width and activation: the forward kernels' instances. False for another width.
 template <class F>
-bool with_width(int width, F&& f) {
-  switch (width) {
-    case 16: f(std::integral_constant<int, 16>{}); return true;
-    case 32: f(std::integral_constant<int, 32>{}); return true;
-    case 64: f(std::integral_constant<int, 64>{}); return true;
-    case 128: f(std::integral_constant<int, 128>{}); return true;
-  }
-  return false;
-}
-
-// The forward's kernel for dtype T, hidden activation A and a hidden width (null for another
-// width). The kernel_* functions are where the kernels are instantiated, one translation unit
-// per dtype and activation (narrow_launch.h).
-template <class T, Act A>
-const void* kernel_fwd(int width) {
-  const void* k = nullptr;
-  with_width(width, [&](auto w) {
-    constexpr int W = decltype(w)::value;
-    k = reinterpret_cast<const void*>(&narrow_mlp_fwd<T, W, row_tiles(W), A, fwd_warps(W)>);
+bool with_width_act(int width, Act act, F&& f) {
+  bool ok = false;
+  with_act(act, [&](auto a) {
+    switch (width) {
+      case 16: f(std::integral_constant<int, 16>{}, a); ok = true; break;
+      case 32: f(std::integral_constant<int, 32>{}, a); ok = true; break;
+      case 64: f(std::integral_constant<int, 64>{}, a); ok = true; break;
+      case 128: f(std::integral_constant<int, 128>{}, a); ok = true; break;
+    }
   });
-  return k;
+  return ok;
 }
 
 // The forward on `stream`; p planned (plan_weights), every hidden layer `width` wide.
 template <class T>
 cudaError_t launch_fwd(const Params& p, int width, cudaStream_t stream) {
-  const void* kernel = nullptr;
-  with_act(p.act_hidden, [&](auto a) { kernel = kernel_fwd<T, decltype(a)::value>(width); });
-  if (kernel == nullptr) return cudaErrorInvalidValue;
-  const int rows = 16 * row_tiles(width), warps = fwd_warps(width);
-  return launch_persistent(kernel, p, warps * 32, (p.m + rows - 1) / rows, warps, stream);
+  cudaError_t e = cudaErrorInvalidValue;
+  with_width_act(width, p.act_hidden, [&](auto w, auto a) {
+    constexpr int W = decltype(w)::value, RT = row_tiles(W), WARPS = fwd_warps(W);
+    const void* kernel = reinterpret_cast<const void*>(&narrow_mlp_fwd<T, W, RT, decltype(a)::value, WARPS>);
+    e = launch_persistent(kernel, p, WARPS * 32, (p.m + 16 * RT - 1) / (16 * RT), WARPS, stream);
+  });
+  return e;
 }
 
 }  // namespace regemm::narrow

@@ -48,7 +48,6 @@ struct BwdParams {
   int smem_bytes;
   int blocks;  // the persistent grid: how many partial sums the reduction adds
   bool gmma;   // planned for the wgmma kernel (narrow_mlp_bwd_gmma.cuh): dW sums row-major [kp][np]
-  int x_off[2], gy_off[2];  // the wgmma kernel's tiles of x (H_0) and gy, two each (a chunk ahead)
 };
 
 template <class T>

@@ -11,11 +11,8 @@
 //              registers over every chunk the block takes, issued after the barrier that
 //              completes G_l and running while the next layer's dgrad epilogue works (three G
 //              tiles in turn).
-//   ahead      x and gy of the block's next chunk are fetched (cp.async) while it works on this
-//              one: with two warpgroups an SM, nothing else hides a global load's latency, paid
-//              twice a chunk (x at its start, gy at the top) where the loads were in place.
 // Then, as the mma.sync kernel, the block's partial sums (row-major here) and the ordered
-// reduction. Stacks of 1-4 hidden layers 16-64 wide, any activation, K0 <= 64, N_out <= 16 (the
+// reduction. Stacks of 1-4 hidden layers 16-64 wide, relu or gelu, K0 <= 64, N_out <= 16 (the
 // dW sums are registers, so the depth is a template parameter); the mma.sync kernel elsewhere.
 #pragma once
 
@@ -31,48 +28,14 @@ constexpr int gmma_bwd_min_blocks(int width) { return width >= 64 ? 2 : 3; }
 inline bool gmma_bwd_takes(const Params& p, int width) {
   const int hidden = p.layers - 1;
   return (width == 16 || width == 32 || width == 64) && hidden >= 1 && hidden <= kGmmaBwdDepth &&
-         p.layer[0].k <= 64 && p.layer[p.layers - 1].n <= 16;
+         p.layer[0].k <= 64 && p.layer[p.layers - 1].n <= 16 &&
+         (p.act_hidden == Act::kRelu || p.act_hidden == Act::kGelu);
 }
 
 // The packed pair (r, c), (r, c + 1) of a [64 rows][..] MN-major tile.
 template <class T>
 __device__ __forceinline__ uint32_t& mn_pair(char* tile, int r, int c) {
   return *reinterpret_cast<uint32_t*>(reinterpret_cast<T*>(tile) + gmma::mnmajor_at(r, c, 64));
-}
-
-// 4 bytes from global memory to shared memory, asynchronously (cp.async); src null: zeros.
-__device__ __forceinline__ void fetch_pair(uint32_t* dst, const void* src, const void* any) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_addr(dst)), "l"(src ? src : any),
-               "r"(src ? 4 : 0)
-               : "memory");
-}
-__device__ __forceinline__ void fetch_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N> __device__ __forceinline__ void fetch_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
-
-// A chunk's x (into the tile xs) and gy (gys), the pairs this thread reads of each; K0 and N_out
-// even (the pairs 4-byte aligned). One cp.async group.
-template <class T>
-__device__ __forceinline__ void fetch_chunk(const Params& p, const BwdParams& bp, int64_t row0, int r0, int q,
-                                            char* xs, char* gys) {
-  const T* x = static_cast<const T*>(p.x);
-  const T* gy = static_cast<const T*>(bp.gy);
-  const int k0 = p.layer[0].k, n_out = p.layer[p.layers - 1].n;
-  for (int c0 = 2 * q; c0 < p.layer[0].kp; c0 += 8)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int64_t r = row0 + r0 + 8 * h;
-      fetch_pair(&mn_pair<T>(xs, r0 + 8 * h, c0), r < p.m && c0 < k0 ? x + r * k0 + c0 : nullptr, x);
-    }
-#pragma unroll
-  for (int c0 = 2 * q; c0 < 16; c0 += 8)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int64_t r = row0 + r0 + 8 * h;
-      fetch_pair(&mn_pair<T>(gys, r0 + 8 * h, c0), r < p.m && c0 < n_out ? gy + r * n_out + c0 : nullptr, gy);
-    }
-  fetch_commit();
 }
 
 // A recomputed hidden layer's epilogue: z = acc + bias to the tile hz (rounded, for the way
@@ -85,13 +48,10 @@ __device__ __forceinline__ void keep_z(uint32_t (&a)[1][NT / 2][4], const float 
     const int c = j * 8 + 2 * q;
     const float z0 = acc[j][0] + bias[c], z1 = acc[j][1] + bias[c + 1];
     const float z2 = acc[j][2] + bias[c], z3 = acc[j][3] + bias[c + 1];
-    const uint32_t h01 = Elem<T>::pack(act<A>(z0, slope), act<A>(z1, slope));
-    const uint32_t h23 = Elem<T>::pack(act<A>(z2, slope), act<A>(z3, slope));
-    a[0][j / 2][(j & 1) * 2 + 0] = h01;
-    a[0][j / 2][(j & 1) * 2 + 1] = h23;
-    // relu keeps h itself: relu'(z) = relu'(h) (h > 0 exactly where the rounded z is).
-    mn_pair<T>(hz, r0, c) = A == Act::kRelu ? h01 : Elem<T>::pack(z0, z1);
-    mn_pair<T>(hz, r0 + 8, c) = A == Act::kRelu ? h23 : Elem<T>::pack(z2, z3);
+    a[0][j / 2][(j & 1) * 2 + 0] = Elem<T>::pack(act<A>(z0, slope), act<A>(z1, slope));
+    a[0][j / 2][(j & 1) * 2 + 1] = Elem<T>::pack(act<A>(z2, slope), act<A>(z3, slope));
+    mn_pair<T>(hz, r0, c) = Elem<T>::pack(z0, z1);
+    mn_pair<T>(hz, r0 + 8, c) = Elem<T>::pack(z2, z3);
   }
 }
 
@@ -108,10 +68,8 @@ __device__ __forceinline__ void hidden_grad_gmma(uint32_t (&ga)[W / 16][4], cons
     uint32_t& p0 = mn_pair<T>(h, r0, c);
     uint32_t& p1 = mn_pair<T>(h, r0 + 8, c);
     const float2 z0 = Elem<T>::unpack(p0), z1 = Elem<T>::unpack(p1);
-    if constexpr (A != Act::kRelu) {  // (relu's tile holds h already: keep_z)
-      p0 = Elem<T>::pack(act<A>(z0.x, slope), act<A>(z0.y, slope));
-      p1 = Elem<T>::pack(act<A>(z1.x, slope), act<A>(z1.y, slope));
-    }
+    p0 = Elem<T>::pack(act<A>(z0.x, slope), act<A>(z0.y, slope));
+    p1 = Elem<T>::pack(act<A>(z1.x, slope), act<A>(z1.y, slope));
     const float g0 = acc[j][0] * act_grad<float, FastMath>(A, z0.x, slope);
     const float g1 = acc[j][1] * act_grad<float, FastMath>(A, z0.y, slope);
     const float g2 = acc[j][2] * act_grad<float, FastMath>(A, z1.x, slope);
@@ -132,7 +90,7 @@ __device__ __forceinline__ void hidden_grad_gmma(uint32_t (&ga)[W / 16][4], cons
 template <class T, Act A, int W>
 __device__ __forceinline__ void top_grad_gmma(const Params& p, const BwdParams& bp, const char* smem,
                                               const uint32_t (&a)[1][W / 16][4], int64_t row0, int r0, int q,
-                                              char* gys, uint32_t (&gt)[1][4], char* gout, float* db, int lane) {
+                                              uint32_t (&gt)[1][4], char* gout, float* db, int lane) {
   const Layer& L = p.layer[p.layers - 1];
   const float* bias = reinterpret_cast<const float*>(smem + L.b_off);
   float o[2][4] = {};
@@ -142,9 +100,8 @@ __device__ __forceinline__ void top_grad_gmma(const Params& p, const BwdParams& 
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int c = h * 8 + 2 * q;
-    // (gys: fetched ahead; else in place)
-    const float2 g0 = Elem<T>::unpack(gys ? mn_pair<T>(gys, r0, c) : load_pair(gy, p.m, L.n, row0 + r0, c));
-    const float2 g1 = Elem<T>::unpack(gys ? mn_pair<T>(gys, r0 + 8, c) : load_pair(gy, p.m, L.n, row0 + r0 + 8, c));
+    const float2 g0 = Elem<T>::unpack(load_pair(gy, p.m, L.n, row0 + r0, c));
+    const float2 g1 = Elem<T>::unpack(load_pair(gy, p.m, L.n, row0 + r0 + 8, c));
     float v[4] = {g0.x, g0.y, g1.x, g1.y};
     if constexpr (A != Act::kNone) {
 #pragma unroll
@@ -176,8 +133,8 @@ __global__ void __launch_bounds__(128, gmma_bwd_min_blocks(W)) narrow_mlp_bwd_gm
   constexpr int NT = W / 8, KT = W / 16;
   load_weights<T>(p, smem, CoreMatrices{});
   // The H and G tiles zeroed: the columns past a layer's width stay zero (dW's padded M).
-  for (int i = threadIdx.x * 16; i < bp.sums_off - bp.x_off[0]; i += 128 * 16)
-    *reinterpret_cast<uint4*>(smem + bp.x_off[0] + i) = make_uint4(0, 0, 0, 0);
+  for (int i = threadIdx.x * 16; i < bp.sums_off - bp.h_off[0]; i += 128 * 16)
+    *reinterpret_cast<uint4*>(smem + bp.h_off[0] + i) = make_uint4(0, 0, 0, 0);
   {
     float* sums = reinterpret_cast<float*>(smem + bp.sums_off);
     for (int i = threadIdx.x; i < 4 * bp.db_floats; i += 128) sums[i] = 0.f;
@@ -205,38 +162,20 @@ __global__ void __launch_bounds__(128, gmma_bwd_min_blocks(W)) narrow_mlp_bwd_gm
   float acc[1][NT][4];
   zero(acc);
   const int64_t chunks = (p.m + 63) / 64;
-  const bool ahead = k0 % 2 == 0 && p.layer[D].n % 2 == 0;  // (pairs 4-byte aligned in x and gy)
-  if (ahead && blockIdx.x < chunks) fetch_chunk<T>(p, bp, int64_t(blockIdx.x) * 64, r0, q, smem + bp.x_off[0], smem + bp.gy_off[0]);
-  int buf = 0;  // this chunk's tiles of x and gy
-  for (int64_t ch = blockIdx.x; ch < chunks; ch += gridDim.x, buf ^= 1) {
+  for (int64_t ch = blockIdx.x; ch < chunks; ch += gridDim.x) {
     const int64_t row0 = ch * 64;
-    char* const X = smem + bp.x_off[buf];
-    if (ahead) {  // the next chunk's x and gy behind this one (an empty group past the last)
-      if (ch + gridDim.x < chunks)
-        fetch_chunk<T>(p, bp, row0 + int64_t(gridDim.x) * 64, r0, q, smem + bp.x_off[buf ^ 1], smem + bp.gy_off[buf ^ 1]);
-      else
-        fetch_commit();
-      fetch_wait<1>();  // this chunk's (each thread reads the pairs it fetched)
-    }
     uint32_t a[1][KT][4];
-    // The forward, keeping x in X (H_0) and z_l in H_{l+1}.
+    // The forward, keeping x in H_0 and z_l in H_{l+1}.
     for (int kc = 0; kc < kp0 / 32; ++kc) {
       uint32_t ax[2][4];
 #pragma unroll
       for (int s = 0; s < 2; ++s) {
         const int c = kc * 32 + s * 16 + 2 * q;
-        if (ahead) {
-          ax[s][0] = mn_pair<T>(X, r0, c);
-          ax[s][1] = mn_pair<T>(X, r0 + 8, c);
-          ax[s][2] = mn_pair<T>(X, r0, c + 8);
-          ax[s][3] = mn_pair<T>(X, r0 + 8, c + 8);
-        } else {
-          x_operand<T>(ax[s], p, row0 + r0, c);
-          mn_pair<T>(X, r0, c) = ax[s][0];
-          mn_pair<T>(X, r0 + 8, c) = ax[s][1];
-          mn_pair<T>(X, r0, c + 8) = ax[s][2];
-          mn_pair<T>(X, r0 + 8, c + 8) = ax[s][3];
-        }
+        x_operand<T>(ax[s], p, row0 + r0, c);
+        mn_pair<T>(H(0), r0, c) = ax[s][0];
+        mn_pair<T>(H(0), r0 + 8, c) = ax[s][1];
+        mn_pair<T>(H(0), r0, c + 8) = ax[s][2];
+        mn_pair<T>(H(0), r0 + 8, c + 8) = ax[s][3];
       }
       layer_mma<T, W, 2>(acc[0], ax, Wt(0) + kc * 512, kp0, kc > 0);
     }
@@ -250,10 +189,7 @@ __global__ void __launch_bounds__(128, gmma_bwd_min_blocks(W)) narrow_mlp_bwd_gm
     uint32_t gt[1][4];
     switch (p.act_out) {
 #define REGEMM_NARROW_OUT(A) \
-  case A:                                                                                                    \
-    top_grad_gmma<T, A, W>(p, bp, smem, a, row0, r0, q, ahead ? smem + bp.gy_off[buf] : nullptr, gt, G(D), \
-                           db + bp.db_off[D], lane);                                                        \
-    break;
+  case A: top_grad_gmma<T, A, W>(p, bp, smem, a, row0, r0, q, gt, G(D), db + bp.db_off[D], lane); break;
       REGEMM_NARROW_OUT(Act::kNone) REGEMM_NARROW_OUT(Act::kRelu) REGEMM_NARROW_OUT(Act::kLeakyRelu)
       REGEMM_NARROW_OUT(Act::kGelu) REGEMM_NARROW_OUT(Act::kGeluErf) REGEMM_NARROW_OUT(Act::kSigmoid)
       REGEMM_NARROW_OUT(Act::kTanh) REGEMM_NARROW_OUT(Act::kSilu)
@@ -294,7 +230,7 @@ __global__ void __launch_bounds__(128, gmma_bwd_min_blocks(W)) narrow_mlp_bwd_gm
       gmma::fence();
       if constexpr (D == 1) weight_grad_gmma<T, 16>(dwt, H(1), G(1));
       else weight_grad_gmma<T, W>(dw[1], H(1), G(1));
-      weight_grad_gmma<T, W>(dw[0], X, G(0));
+      weight_grad_gmma<T, W>(dw[0], H(0), G(0));
       gmma::commit();
     }
     if (bp.gx != nullptr) {
@@ -355,22 +291,13 @@ __global__ void __launch_bounds__(128, gmma_bwd_min_blocks(W)) narrow_mlp_bwd_gm
 inline int plan_bwd_gmma(const Params& p, int width, BwdParams* bp) {
   if (!gmma_bwd_takes(p, width)) return -1;
   int off = (p.weights_bytes + 127) / 128 * 128;
-  for (int b = 0; b < 2; ++b) {  // H_0 (x), two: this chunk's and the next's
-    bp->x_off[b] = off;
-    off += 64 * 64 * 2;
-  }
-  bp->h_off[0] = bp->x_off[0];
-  for (int l = 1; l < p.layers; ++l) {  // H_1 .. H_D
+  for (int l = 0; l < p.layers; ++l) {  // H_0 .. H_D
     bp->h_off[l] = off;
     off += 64 * 64 * 2;
   }
   for (int s = 0; s < 3; ++s) {
     bp->g_off[s] = off;
     off += 64 * (width > 16 ? width : 16) * 2;
-  }
-  for (int b = 0; b < 2; ++b) {  // gy, [64][16]
-    bp->gy_off[b] = off;
-    off += 64 * 16 * 2;
   }
   bp->sums_off = off;
   int f = 0, c = 0;
@@ -388,25 +315,15 @@ inline int plan_bwd_gmma(const Params& p, int width, BwdParams* bp) {
 }
 
 template <class T, int W, Act HID>
-const void* bwd_kernel_of_width(int depth, bool gmma) {
+const void* bwd_kernel(int depth, bool gmma) {
   if (!gmma) return reinterpret_cast<const void*>(&narrow_mlp_bwd<T, W, HID>);
-  switch (depth) {
-    case 1: return reinterpret_cast<const void*>(&narrow_mlp_bwd_gmma<T, W, HID, 1>);
-    case 2: return reinterpret_cast<const void*>(&narrow_mlp_bwd_gmma<T, W, HID, 2>);
-    case 3: return reinterpret_cast<const void*>(&narrow_mlp_bwd_gmma<T, W, HID, 3>);
-    case 4: return reinterpret_cast<const void*>(&narrow_mlp_bwd_gmma<T, W, HID, 4>);
-  }
-  return nullptr;
-}
-
-// The backward's kernel for dtype T, hidden activation A, a hidden width and depth (null where
-// there is none): wgmma's (gmma) or mma.sync's. Instantiated as kernel_fwd is (narrow_launch.h).
-template <class T, Act A>
-const void* kernel_bwd(int width, int depth, bool gmma) {
-  switch (width) {
-    case 16: return bwd_kernel_of_width<T, 16, A>(depth, gmma);
-    case 32: return bwd_kernel_of_width<T, 32, A>(depth, gmma);
-    case 64: return bwd_kernel_of_width<T, 64, A>(depth, gmma);
+  if constexpr (HID == Act::kRelu || HID == Act::kGelu) {
+    switch (depth) {
+      case 1: return reinterpret_cast<const void*>(&narrow_mlp_bwd_gmma<T, W, HID, 1>);
+      case 2: return reinterpret_cast<const void*>(&narrow_mlp_bwd_gmma<T, W, HID, 2>);
+      case 3: return reinterpret_cast<const void*>(&narrow_mlp_bwd_gmma<T, W, HID, 3>);
+      case 4: return reinterpret_cast<const void*>(&narrow_mlp_bwd_gmma<T, W, HID, 4>);
+    }
   }
   return nullptr;
 }
@@ -416,7 +333,14 @@ const void* kernel_bwd(int width, int depth, bool gmma) {
 template <class T>
 cudaError_t bwd_kernel(const Params& p, int width, const BwdParams& bp, const void** kernel) {
   const void* k = nullptr;
-  with_act(p.act_hidden, [&](auto a) { k = kernel_bwd<T, decltype(a)::value>(width, p.layers - 1, bp.gmma); });
+  with_act(p.act_hidden, [&](auto a) {
+    constexpr Act A = decltype(a)::value;
+    switch (width) {
+      case 16: k = bwd_kernel<T, 16, A>(p.layers - 1, bp.gmma); break;
+      case 32: k = bwd_kernel<T, 32, A>(p.layers - 1, bp.gmma); break;
+      case 64: k = bwd_kernel<T, 64, A>(p.layers - 1, bp.gmma); break;
+    }
+  });
   if (k == nullptr) return cudaErrorInvalidValue;
   if (bp.gmma && !gmma_runs_here(k)) return cudaErrorNoKernelImageForDevice;
   *kernel = k;

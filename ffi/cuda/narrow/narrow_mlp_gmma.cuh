@@ -92,49 +92,19 @@ __global__ void __launch_bounds__(WGS * 128, gmma_min_blocks(W)) narrow_mlp_fwd_
   float acc[1][NT][4];
   zero(acc);
   uint32_t a[1][KT][4];
-  // x of the warpgroup's next tile, loaded while it works on this one (K0 <= 64: two 32-column
-  // steps in 16 registers): with a few warpgroups an SM nothing else hides a global load's
-  // latency, paid at every tile's start where x was loaded in place.
-  const Layer& L0 = p.layer[0];
-  const bool ahead = L0.kp <= 64;
-  const int64_t step = int64_t(gridDim.x) * WGS;
-  uint32_t xn[2][2][4];
-  auto fetch = [&](int64_t t) {
-#pragma unroll
-    for (int kc = 0; kc < 2; ++kc)
-      if (kc * 32 < L0.kp) {
-        x_operand<T>(xn[kc][0], p, t * 64 + warp * 16 + g, kc * 32 + 2 * q);
-        x_operand<T>(xn[kc][1], p, t * 64 + warp * 16 + g, kc * 32 + 16 + 2 * q);
-      }
-  };
-  const int64_t first = int64_t(blockIdx.x) * WGS + wg;
-  if (ahead && first < tiles) fetch(first);
-  for (int64_t t = first; t < tiles; t += step) {
+  for (int64_t t = int64_t(blockIdx.x) * WGS + wg; t < tiles; t += int64_t(gridDim.x) * WGS) {
     const int64_t row0 = t * 64 + warp * 16;  // this warp's 16 rows of the tile
     // Layer 0: K0 (padded to 32) -> W, its A operand read from x two k steps at a time.
     {
-      const char* wt = smem + L0.w_off;
-      if (ahead) {
-        uint32_t ax[2][2][4];
-#pragma unroll
-        for (int kc = 0; kc < 2; ++kc)
-#pragma unroll
-          for (int s = 0; s < 2; ++s)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) ax[kc][s][i] = xn[kc][s][i];
-        if (t + step < tiles) fetch(t + step);  // (row zero outside x: load_pair)
-#pragma unroll
-        for (int kc = 0; kc < 2; ++kc)
-          if (kc * 32 < L0.kp) layer_mma<T, W, 2>(acc[0], ax[kc], wt + kc * 512, L0.kp, kc > 0);
-      } else {
-        for (int kc = 0; kc < L0.kp / 32; ++kc) {
-          uint32_t ax[2][4];
-          x_operand<T>(ax[0], p, row0 + g, kc * 32 + 2 * q);
-          x_operand<T>(ax[1], p, row0 + g, kc * 32 + 16 + 2 * q);
-          layer_mma<T, W, 2>(acc[0], ax, wt + kc * 512, L0.kp, kc > 0);
-        }
+      const Layer& L = p.layer[0];
+      const char* wt = smem + L.w_off;
+      for (int kc = 0; kc < L.kp / 32; ++kc) {
+        uint32_t ax[2][4];
+        x_operand<T>(ax[0], p, row0 + g, kc * 32 + 2 * q);
+        x_operand<T>(ax[1], p, row0 + g, kc * 32 + 16 + 2 * q);
+        layer_mma<T, W, 2>(acc[0], ax, wt + kc * 512, L.kp, kc > 0);
       }
-      epilogue_to_a<T, HID, 1, NT>(a, acc, reinterpret_cast<const float*>(smem + L0.b_off), p.slope, lane);
+      epilogue_to_a<T, HID, 1, NT>(a, acc, reinterpret_cast<const float*>(smem + L.b_off), p.slope, lane);
     }
     // The hidden layers W -> W.
     for (int l = 1; l < p.layers - 1; ++l) {
@@ -149,115 +119,6 @@ __global__ void __launch_bounds__(WGS * 128, gmma_min_blocks(W)) narrow_mlp_fwd_
       REGEMM_NARROW_OUT(Act::kGelu) REGEMM_NARROW_OUT(Act::kGeluErf) REGEMM_NARROW_OUT(Act::kSigmoid)
       REGEMM_NARROW_OUT(Act::kTanh) REGEMM_NARROW_OUT(Act::kSilu)
 #undef REGEMM_NARROW_OUT
-    }
-  }
-#endif
-}
-
-// 16 columns of y (c, c + 8 of this thread, c = 16 j + 2 q) for rows r and r + 8 from an
-// m64n16 accumulator: act_out(o + bias).
-template <class T>
-__device__ __forceinline__ void store_out16(const Params& p, const float* bias, const float (&o)[2][4], int64_t r, int c0) {
-  const Layer& L = p.layer[p.layers - 1];
-  T* y = static_cast<T*>(p.y);
-  switch (p.act_out) {
-#define REGEMM_NARROW_OUT(A)                                                                           \
-  case A:                                                                                              \
-    for (int h = 0; h < 2; ++h) {                                                                      \
-      const int c = c0 + h * 8;                                                                        \
-      const float b0 = bias[c], b1 = bias[c + 1];                                                      \
-      store_pair(y, p.m, L.n, r, c, act<A>(o[h][0] + b0, p.slope), act<A>(o[h][1] + b1, p.slope));     \
-      store_pair(y, p.m, L.n, r + 8, c, act<A>(o[h][2] + b0, p.slope), act<A>(o[h][3] + b1, p.slope)); \
-    }                                                                                                  \
-    break;
-    REGEMM_NARROW_OUT(Act::kNone) REGEMM_NARROW_OUT(Act::kRelu) REGEMM_NARROW_OUT(Act::kLeakyRelu)
-    REGEMM_NARROW_OUT(Act::kGelu) REGEMM_NARROW_OUT(Act::kGeluErf) REGEMM_NARROW_OUT(Act::kSigmoid)
-    REGEMM_NARROW_OUT(Act::kTanh) REGEMM_NARROW_OUT(Act::kSilu)
-#undef REGEMM_NARROW_OUT
-  }
-}
-
-// Two tiles a warpgroup, in step: while one tile's epilogue runs, the other's MMA chain does, where
-// narrow_mlp_fwd_gmma waits on each chain it issues. Per tile in turn: wait for its chain
-// (wait_group 1: the other's may still run), its epilogue to the next layer's A, its next chain
-// issued and committed. Widths 16-64, K0 <= 32, N_out 16 (launch_fwd_gmma).
-// ptxas keeps the chains asynchronous only if none is in flight across a loop's back-edge or
-// a branch's join (else it serializes every wgmma of the kernel: tools/wgmma_serialization.sh),
-// so each depth has its own copy of the pair, every layer unrolled.
-template <class T, int W, Act HID, int WGS>
-__global__ void __launch_bounds__(WGS * 128, 2) narrow_mlp_fwd_gmma2(const Params p) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  extern __shared__ __align__(128) char smem[];
-  load_weights<T>(p, smem, CoreMatrices{});
-  gmma::fence_shared();
-  __syncthreads();
-  constexpr int NT = W / 8, KT = W / 16;
-  const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3, wg = threadIdx.x >> 7;
-  const int g = lane >> 2, q = lane & 3;
-  const int64_t tiles = (p.m + 63) / 64, step = int64_t(gridDim.x) * WGS;
-  const int hidden = p.layers - 1;
-  const Layer& Lo = p.layer[hidden];
-  float acc[2][NT][4];
-  uint32_t a[2][KT][4];
-  float o[2][2][4];
-  auto A1 = [&](int s) -> uint32_t(&)[1][KT][4] { return *reinterpret_cast<uint32_t(*)[1][KT][4]>(&a[s]); };
-  auto C1 = [&](int s) -> float(&)[1][NT][4] { return *reinterpret_cast<float(*)[1][NT][4]>(&acc[s]); };
-  // Tile s's epilogue of layer l (bias b_off) to its A operand, then its chain through Wt at
-  // w_off into d (N columns).
-  auto step_tile = [&](int s, int b_off, auto& d, const char* wt) {
-    constexpr int N = sizeof(d) / sizeof(float) / 4 * 8;
-    gmma::wait<1>();
-    gmma::pin(acc[s]);
-    epilogue_to_a<T, HID, 1, NT>(A1(s), C1(s), reinterpret_cast<const float*>(smem + b_off), p.slope, lane);
-    gmma::fence();
-#pragma unroll
-    for (int kt = 0; kt < KT; ++kt) gmma::Rs<T, N, 0>::run(d, a[s][kt], wt_descriptor<0>(wt, W, kt), kt > 0);
-    gmma::commit();
-  };
-  auto pair = [&](auto depth, int64_t t) {
-    constexpr int D = decltype(depth)::value;
-    const int64_t row0[2] = {t * 64 + warp * 16, (t + step) * 64 + warp * 16};  // (the second may be past m)
-    // Layer 0 of both tiles (K0 <= 32: one 32-column step), x loaded for both first.
-    uint32_t ax[2][2][4];
-#pragma unroll
-    for (int s = 0; s < 2; ++s) {
-      x_operand<T>(ax[s][0], p, row0[s] + g, 2 * q);
-      x_operand<T>(ax[s][1], p, row0[s] + g, 16 + 2 * q);
-    }
-#pragma unroll
-    for (int s = 0; s < 2; ++s) {
-      gmma::pin(acc[s]);
-      gmma::fence();
-#pragma unroll
-      for (int kt = 0; kt < 2; ++kt)
-        gmma::Rs<T, W, 0>::run(acc[s], ax[s][kt], wt_descriptor<0>(smem + p.layer[0].w_off, 32, kt), kt > 0);
-      gmma::commit();
-    }
-#pragma unroll
-    for (int l = 0; l + 1 < D; ++l)
-#pragma unroll
-      for (int s = 0; s < 2; ++s) step_tile(s, p.layer[l].b_off, acc[s], smem + p.layer[l + 1].w_off);
-#pragma unroll
-    for (int s = 0; s < 2; ++s) step_tile(s, p.layer[D - 1].b_off, o[s], smem + Lo.w_off);
-    const float* bias = reinterpret_cast<const float*>(smem + Lo.b_off);
-#pragma unroll
-    for (int s = 0; s < 2; ++s) {
-      if (s == 0) gmma::wait<1>();
-      else gmma::wait<0>();  // (an empty group's wait<1> instead: ptxas serializes)
-      gmma::pin(o[s]);
-      store_out16<T>(p, bias, o[s], row0[s] + g, 2 * q);
-    }
-  };
-  for (int64_t t = int64_t(blockIdx.x) * WGS + wg; t < tiles; t += 2 * step) {
-    switch (hidden) {
-      case 1: pair(std::integral_constant<int, 1>{}, t); break;
-      case 2: pair(std::integral_constant<int, 2>{}, t); break;
-      case 3: pair(std::integral_constant<int, 3>{}, t); break;
-      case 4: pair(std::integral_constant<int, 4>{}, t); break;
-      case 5: pair(std::integral_constant<int, 5>{}, t); break;
-      case 6: pair(std::integral_constant<int, 6>{}, t); break;
-      case 7: pair(std::integral_constant<int, 7>{}, t); break;
-      default: pair(std::integral_constant<int, 8>{}, t); break;
     }
   }
 #endif
@@ -285,32 +146,18 @@ inline bool gmma_runs_here(const void* kernel) {
 #endif
 }
 
-// The wgmma forward's kernel for dtype T, hidden activation A and a hidden width (null for
-// another width); pair: narrow_mlp_fwd_gmma2 where the width allows it.
-template <class T, Act A>
-const void* kernel_fwd_gmma(int width, bool pair) {
-  const void* k = nullptr;
-  with_width(width, [&](auto w) {
-    constexpr int W = decltype(w)::value, WGS = gmma_groups(W);
-    k = reinterpret_cast<const void*>(&narrow_mlp_fwd_gmma<T, W, A, WGS>);
-    if constexpr (W <= 64)
-      if (pair) k = reinterpret_cast<const void*>(&narrow_mlp_fwd_gmma2<T, W, A, WGS>);
-  });
-  return k;
-}
-
-// The forward on wgmma (pair: two tiles a warpgroup, narrow_mlp_fwd_gmma2, where N_out is 16); p
-// planned with Layout::kCoreMatrices. cudaErrorNoKernelImageForDevice
+// The forward on wgmma; p planned with Layout::kCoreMatrices. cudaErrorNoKernelImageForDevice
 // where this build or device has no wgmma kernel (the caller takes launch_fwd).
 template <class T>
-cudaError_t launch_fwd_gmma(const Params& p, int width, cudaStream_t stream, bool pair = false) {
-  pair = pair && width <= 64 && p.layer[0].kp == 32 && p.layer[p.layers - 1].np == 16;  // (narrow_mlp_fwd_gmma2's)
-  const void* kernel = nullptr;
-  with_act(p.act_hidden, [&](auto a) { kernel = kernel_fwd_gmma<T, decltype(a)::value>(width, pair); });
-  if (kernel == nullptr) return cudaErrorInvalidValue;
-  if (!gmma_runs_here(kernel)) return cudaErrorNoKernelImageForDevice;
-  const int wgs = gmma_groups(width);
-  return launch_persistent(kernel, p, wgs * 128, (p.m + 63) / 64, pair ? 2 * wgs : wgs, stream);
+cudaError_t launch_fwd_gmma(const Params& p, int width, cudaStream_t stream) {
+  cudaError_t e = cudaErrorInvalidValue;
+  with_width_act(width, p.act_hidden, [&](auto w, auto a) {
+    constexpr int W = decltype(w)::value, WGS = gmma_groups(W);
+    const void* kernel = reinterpret_cast<const void*>(&narrow_mlp_fwd_gmma<T, W, decltype(a)::value, WGS>);
+    e = gmma_runs_here(kernel) ? launch_persistent(kernel, p, WGS * 128, (p.m + 63) / 64, WGS, stream)
+                               : cudaErrorNoKernelImageForDevice;
+  });
+  return e;
 }
 
 }  // namespace regemm::narrow
