@@ -12,7 +12,8 @@ nvidia-smi --query-gpu=name,clocks.max.sm --format=csv,noheader
 BWD="1048576x32x64x4x16 262144x32x64x4x16 1048576x32x32x3x16 1048576x32x16x4x16 65536x32x64x4x16 1048576x32x64x4x16 gelu"
 FWD="1048576x32x64x4x16 1048576x32x32x3x16 1048576x32x16x4x16 262144x32x64x4x16 1048576x32x128x4x16 1048576x32x64x4x16 gelu"
 ODD="1000x30x64x2x10 777x33x32x3x15 5000x64x16x1x16 gelu 3001x96x64x2x8 3001x32x32x3x16 silu 2048x32x64x4x16 tanh"
-side() { if [ "$1" = B ]; then env ${B_FLAGS:-} NARROW_GMMA=1 "${@:2}"; else env NARROW_GMMA=1 "${@:2}"; fi; }
+export NARROW_GMMA=1
+side() { if [ "$1" = B ]; then env ${B_FLAGS:-} "${@:2}"; else env "${@:2}"; fi; }  # side A|B VAR=... command
 for r in 1 2; do
   for s in A B; do
     bin="$A"; [ $s = B ] && bin="$B"
